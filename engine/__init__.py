@@ -1,0 +1,1 @@
+"""Engine process: scheduler, paged KV cache, model runner, sampler; `LLM` runs it in-process."""

