@@ -1,0 +1,158 @@
+"""IncrementalDetokenizer and StopMatcher against the bundled model's real tokenizer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tokenizers
+
+from ipc.text import IncrementalDetokenizer, StopMatcher
+
+TEXTS = [
+    "Hello, world! How are you today?",
+    "héllo wörld — naïve café",
+    "中文字符测试，日本語のテキスト",
+    "emoji 🎉🚀 and a family 👨‍👩‍👧 done",
+    "  leading spaces\tand\nnewlines\n\n",
+    "mixed: 한국어 العربية עברית ✓ ∑ 𝔘𝔫𝔦",
+]
+
+_CONVERT = (
+    "import sys; from transformers import AutoTokenizer; from ipc.model_source import bundled_gguf;"
+    "p = bundled_gguf(); AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)"
+    ".save_pretrained(sys.argv[1])"
+)
+
+
+def tokenizer_dir(tmp_root: Path) -> Path:
+    """The bundled model's tokenizer as HF files ($PAGEDSERVE_TEST_TOKENIZER reuses one)."""
+    given = os.environ.get("PAGEDSERVE_TEST_TOKENIZER")
+    if given and (Path(given) / "tokenizer.json").is_file():
+        return Path(given)
+    out = tmp_root / "tokenizer"
+    subprocess.run([sys.executable, "-c", _CONVERT, str(out)], check=True, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> tokenizers.Tokenizer:
+    path = tokenizer_dir(tmp_path_factory.mktemp("tok"))
+    return tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def _stream(tok: tokenizers.Tokenizer, chunks: list[list[int]], skip: bool = True) -> list[str]:
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    deltas = [detok.add(chunk) for chunk in chunks]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == detok.text
+    return deltas
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_by_token_equals_full_decode(tok: tokenizers.Tokenizer, text: str) -> None:
+    ids = tok.encode(text, add_special_tokens=False).ids
+    deltas = _stream(tok, [[i] for i in ids])
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_every_split_point(tok: tokenizers.Tokenizer, text: str) -> None:
+    ids = tok.encode(text, add_special_tokens=False).ids
+    for cut in range(len(ids) + 1):
+        deltas = _stream(tok, [ids[:cut], ids[cut:]])
+        assert "".join(deltas) == text
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_multibyte_char_is_held_until_complete(tok: tokenizers.Tokenizer) -> None:
+    ids = tok.encode(" 🎉", add_special_tokens=False).ids
+    assert len(ids) > 1  # the emoji's bytes span several tokens
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.add([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.add(ids[-1:]) == " 🎉"
+
+
+def test_special_tokens(tok: tokenizers.Tokenizer) -> None:
+    ids = [1] + tok.encode("hi there", add_special_tokens=False).ids + [2]
+    assert "".join(_stream(tok, [[i] for i in ids])) == "hi there"
+    kept = "".join(_stream(tok, [[i] for i in ids], skip=False))
+    assert kept == tok.decode(ids, skip_special_tokens=False) == "<|im_start|>hi there<|im_end|>"
+
+
+def test_incomplete_tail_is_released_by_flush(tok: tokenizers.Tokenizer) -> None:
+    ids = tok.encode("ok 🎉", add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tok)
+    shown = "".join(detok.add([i]) for i in ids[:-1])
+    assert shown == "ok"
+    assert shown + detok.flush() == tok.decode(ids[:-1])
+    assert detok.flush() == ""
+
+
+def test_empty_input(tok: tokenizers.Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add([]) == "" and detok.flush() == "" and detok.text == ""
+
+
+# ---- StopMatcher -------------------------------------------------------------------------
+
+
+def _run(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
+    out = []
+    stopped = False
+    for piece in pieces:
+        text, stopped = matcher.push(piece)
+        out.append(text)
+        if stopped:
+            break
+    if not stopped:
+        out.append(matcher.flush())
+    return "".join(out), stopped
+
+
+def _splits(text: str) -> list[list[str]]:
+    cuts = [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    return cuts + [list(text)]
+
+
+@pytest.mark.parametrize("pieces", _splits("The answer is 42.\nUser: more"))
+def test_stop_split_anywhere(pieces: list[str]) -> None:
+    assert _run(StopMatcher(["\nUser:"]), pieces) == ("The answer is 42.", True)
+    assert _run(StopMatcher(["\nUser:"], include_stop=True), pieces) == (
+        "The answer is 42.\nUser:",
+        True,
+    )
+
+
+@pytest.mark.parametrize("pieces", _splits("a 🎉 b 世界 c"))
+def test_multibyte_stop(pieces: list[str]) -> None:
+    assert _run(StopMatcher(["世界"]), pieces) == ("a 🎉 b ", True)
+
+
+@pytest.mark.parametrize("pieces", _splits("abcab abd"))
+def test_partial_match_is_released(pieces: list[str]) -> None:
+    assert _run(StopMatcher(["abd!"]), pieces) == ("abcab abd", False)
+
+
+def test_held_text_never_leaks_and_earliest_stop_wins() -> None:
+    matcher = StopMatcher(["STOP", "OP"])
+    assert matcher.push("xx ST") == ("xx ", False)
+    assert matcher.push("OP yy") == ("", True)
+    assert matcher.matched == "STOP"
+    assert matcher.push("more") == ("", True)
+    assert matcher.flush() == ""
+
+
+def test_no_stops_passes_through() -> None:
+    matcher = StopMatcher([])
+    assert matcher.push("abc") == ("abc", False)
+    assert matcher.flush() == ""
+
+
+def test_empty_stop_rejected() -> None:
+    with pytest.raises(ValueError):
+        StopMatcher(["ok", ""])
