@@ -1,0 +1,100 @@
+"""ZeroMQ transport: handshake over DEALER/ROUTER, requests out, outputs in (ipc:// and tcp://)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from ipc import transport
+from ipc.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineReady,
+    Heartbeat,
+    StepOutputs,
+    TokenDelta,
+)
+from ipc.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _ready(incarnation: str) -> EngineReady:
+    return EngineReady(model="m", max_model_len=64, block_size=16, num_gpu_blocks=8,
+                       incarnation=incarnation)
+
+
+async def _round_trip(gw: transport.GatewaySockets, incarnation: str) -> None:
+    eng = transport.EngineSockets(gw.input_addr, gw.output_addr, incarnation)
+    try:
+        eng.send_handshake(_ready(incarnation))
+        identity, ready = await asyncio.wait_for(gw.recv_handshake(), 5)
+        assert identity == incarnation.encode()
+        assert ready == _ready(incarnation)
+
+        add = AddRequest(request_id="r", prompt_token_ids=[1, 2], sampling=SamplingParams())
+        gw.send(identity, add)
+        gw.send(identity, AbortRequests(request_ids=["r"]))
+        got = [await asyncio.to_thread(eng.recv_input, 5000) for _ in range(2)]
+        assert got == [add, AbortRequests(request_ids=["r"])]
+        assert eng.recv_input(10) is None
+
+        out = StepOutputs(deltas=[TokenDelta(request_id="r", new_token_ids=[3])],
+                          incarnation=incarnation)
+        eng.send_output(out)
+        eng.send_output(Heartbeat(step=1, queue_depth=0, incarnation=incarnation))
+        assert await asyncio.wait_for(gw.recv_output(), 5) == out
+        assert isinstance(await asyncio.wait_for(gw.recv_output(), 5), Heartbeat)
+    finally:
+        eng.close(linger_ms=0)
+
+
+async def test_round_trip_over_ipc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_RUNTIME_DIR", str(tmp_path))
+    in_addr, out_addr = transport.default_addresses()
+    assert in_addr.startswith(f"ipc://{tmp_path}/") and out_addr != in_addr
+    gw = transport.GatewaySockets(in_addr, out_addr)
+    try:
+        await _round_trip(gw, "inc-1")
+    finally:
+        gw.close()
+    assert list(tmp_path.iterdir()) == []  # socket files removed
+
+
+async def test_round_trip_over_tcp_on_a_free_port() -> None:
+    gw = transport.GatewaySockets("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    try:
+        assert gw.input_addr.startswith("tcp://127.0.0.1:")
+        assert not gw.input_addr.endswith(":*")
+        await _round_trip(gw, "inc-1")
+    finally:
+        gw.close()
+
+
+async def test_a_restarted_engine_gets_its_own_identity() -> None:
+    gw = transport.GatewaySockets("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    try:
+        await _round_trip(gw, "inc-1")
+        await _round_trip(gw, "inc-2")
+    finally:
+        gw.close()
+
+
+async def test_sending_to_an_unknown_engine_does_not_block_or_raise() -> None:
+    gw = transport.GatewaySockets("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    try:
+        gw.send(b"nobody", AbortRequests(request_ids=["x"]))
+        await asyncio.sleep(0)
+    finally:
+        gw.close()
+
+
+def test_runtime_dir_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEDSERVE_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert transport.runtime_dir() == tmp_path / "pagedserve"
+    monkeypatch.setenv("PAGEDSERVE_RUNTIME_DIR", str(tmp_path / "x"))
+    assert transport.runtime_dir() == tmp_path / "x"
+    assert (tmp_path / "x").is_dir()
