@@ -1,0 +1,289 @@
+"""OpenAI request/response bodies as msgspec structs (with vLLM's extras) and their validation.
+
+Unknown request fields are ignored, as OpenAI's SDKs send fields a server may not know.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+import msgspec
+
+from gateway.errors import ApiError
+from ipc.sampling import SamplingParams
+
+Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+PosInt = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    """Fields chat and completions requests share."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: PosInt = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    priority: Int32 = 0
+    request_id: RequestId | None = None
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: PosInt | None = None
+    max_completion_tokens: PosInt | None = None
+    logprobs: bool = False
+    top_logprobs: NonNegInt | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[str | TokenId]  # a text, a list of token ids, or a list of one text
+    max_tokens: PosInt | None = 16
+    logprobs: NonNegInt | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+AnyRequest = ChatCompletionRequest | CompletionRequest
+
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def decode_request(body: bytes, kind: type[AnyRequest]) -> AnyRequest:
+    """Parse and type-check a request body; every failure is a 400 ApiError."""
+    try:
+        request = msgspec.json.decode(body, type=kind)
+    except RecursionError:
+        raise ApiError(400, "JSON is nested too deeply", "invalid_json") from None
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = _PATH.search(message)
+        param = match.group(1) if match else None
+        if "missing required field" in message:
+            code = "missing_required_parameter"
+            name = re.search(r"field `([^`]*)`", message)
+            field = name.group(1) if name else None
+            param = f"{param}.{field}" if param and field else (field or param)
+        else:  # NOTE: no path means the body itself is wrong (e.g. an array, not an object)
+            code = "invalid_value" if param else "invalid_json"
+        raise ApiError(400, message, code, param) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"invalid JSON body: {exc}", "invalid_json") from None
+    check_request(request)
+    return request
+
+
+def check_request(request: AnyRequest) -> None:
+    if request.n != 1:
+        raise ApiError(400, "only n=1 is supported", "unsupported_value", "n")
+    if isinstance(request, ChatCompletionRequest):
+        if not request.messages:
+            raise ApiError(400, "messages must not be empty", "invalid_value", "messages")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "invalid_value", "top_logprobs")
+    elif not isinstance(request.prompt, str):
+        texts = [p for p in request.prompt if isinstance(p, str)]
+        if not request.prompt or (texts and len(request.prompt) != 1):
+            raise ApiError(
+                400, "prompt must be a string, one list of token ids or a list of one string "
+                "(batched prompts are not supported)", "invalid_value", "prompt",
+            )
+
+
+def to_sampling(request: AnyRequest, max_tokens: int, max_logprobs: int) -> SamplingParams:
+    """Map a request onto SamplingParams; its ValueError becomes a 400 naming the field."""
+    num_logprobs = request.num_logprobs
+    if num_logprobs is not None and num_logprobs > max_logprobs:
+        param = "top_logprobs" if isinstance(request, ChatCompletionRequest) else "logprobs"
+        raise ApiError(400, f"{param} must be <= {max_logprobs}", "invalid_value", param)
+    given = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "repetition_penalty": request.repetition_penalty,
+        "seed": request.seed,
+    }
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            stop=tuple(request.stop_list),
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+            logprobs=num_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            **{k: v for k, v in given.items() if v is not None},
+        )
+    except ValueError as exc:
+        param = str(exc).split(" ", 1)[0]
+        raise ApiError(400, str(exc), "invalid_value", param) from None
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobs(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(msgspec.Struct):
+    content: list[TokenLogprobs]
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class Message(msgspec.Struct):
+    role: str
+    content: str
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: Message
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str | None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "pagedserve"
+    max_model_len: int | None = None
+    object: Literal["model"] = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"

@@ -1,0 +1,68 @@
+"""The gateway tokenizer (tokenizers + jinja2) gives the ids HF's apply_chat_template gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.errors import ApiError
+from gateway.tokenizer import Tokenizer
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3? Answer in 中文 with 🎉"},
+    ],
+    [
+        {"role": "user", "content": "  spaces\n\nand newlines  "},
+        {"role": "assistant", "content": ""},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def hf(tokenizer_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir: Path) -> Tokenizer:
+    return Tokenizer(tokenizer_dir)
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_ids_match_hf(hf, tok: Tokenizer, messages, add_generation_prompt: bool) -> None:
+    expected = hf.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
+    if isinstance(expected, dict) or hasattr(expected, "input_ids"):
+        expected = expected["input_ids"]
+    assert tok.apply_chat_template(messages, add_generation_prompt) == list(expected)
+
+
+def test_encode_decode_match_hf(hf, tok: Tokenizer) -> None:
+    text = "héllo 世界 🎉 <|im_end|> ok"
+    assert tok.encode(text) == hf.encode(text, add_special_tokens=False)
+    ids = tok.encode(text)
+    assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    assert tok.special_tokens["eos_token"] == hf.eos_token
+
+
+def test_template_errors_are_400(tmp_path: Path, tokenizer_dir: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok"
+    )
+    tok = Tokenizer(tmp_path)
+    assert tok.render_chat([{"role": "user", "content": "x"}]) == "ok"
+    with pytest.raises(ApiError) as err:
+        tok.render_chat([{"role": "system", "content": "x"}])
+    assert err.value.status == 400 and "user first" in err.value.message
