@@ -1,0 +1,55 @@
+"""`python -m engine`: one engine process, connected to a gateway's sockets (what it spawns)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+
+from engine.process import LoopOptions, run_engine
+from ipc.config import add_engine_args, config_from_args
+
+HANG_ENV = "PAGEDSERVE_DEBUG_HANG_AFTER_STEPS"  # test-only: see LoopOptions.hang_after_steps
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    add_engine_args(parser)
+    group = parser.add_argument_group("process")
+    group.add_argument("--input-addr", required=True,
+                       help="the gateway's ROUTER address (ipc://... or tcp://host:port)")
+    group.add_argument("--output-addr", required=True,
+                       help="the gateway's PULL address (ipc://... or tcp://host:port)")
+    group.add_argument("--incarnation", default=None,
+                       help="id stamped on every message (default: a fresh random id)")
+    group.add_argument("--shutdown-timeout", type=float, default=LoopOptions.shutdown_timeout,
+                       help="seconds to finish in-flight requests after SIGTERM "
+                            f"(default: {LoopOptions.shutdown_timeout})")
+    group.add_argument("--heartbeat-interval", type=float,
+                       default=LoopOptions.heartbeat_interval,
+                       help=f"seconds between heartbeats (default: "
+                            f"{LoopOptions.heartbeat_interval})")
+    group.add_argument("--parent-pid", type=int, default=None,
+                       help="shut down when this process is no longer our parent")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
+    hang = os.environ.get(HANG_ENV)
+    options = LoopOptions(
+        heartbeat_interval=ns.heartbeat_interval,
+        shutdown_timeout=ns.shutdown_timeout,
+        parent_pid=ns.parent_pid,
+        hang_after_steps=int(hang) if hang else None,
+    )
+    incarnation = ns.incarnation or uuid.uuid4().hex
+    return run_engine(config_from_args(ns), ns.input_addr, ns.output_addr, incarnation, options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

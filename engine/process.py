@@ -1,0 +1,276 @@
+"""The engine process: IO threads around a busy loop that drives `EngineCore.step()`.
+
+Sockets live on two threads; the main thread only moves messages between queues and the core.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ipc.config import EngineConfig
+from ipc.messages import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    AbortRequests,
+    AddRequest,
+    EngineDead,
+    EngineReady,
+    EngineStats,
+    FromEngine,
+    Heartbeat,
+    Shutdown,
+    StepOutputs,
+    ToEngine,
+    TokenDelta,
+)
+from ipc.transport import EngineSockets
+
+log = logging.getLogger("engine.process")
+
+SHUTTING_DOWN = "engine is shutting down"
+_IDLE_WAIT_S = 0.05  # longest block on the input queue when there is nothing to step
+_IO_POLL_MS = 100  # how often the input thread checks for stop
+
+
+class Core(Protocol):
+    """What the loop needs from engine.core.EngineCore."""
+
+    model_name: str
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    eos_token_ids: list[int]
+    tokenizer_dir: str
+
+    def add_request(self, msg: AddRequest) -> None: ...
+    def abort_requests(self, request_ids: Iterable[str]) -> list[TokenDelta]: ...
+    def step(self) -> list[TokenDelta]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def stats(self) -> EngineStats: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopOptions:
+    heartbeat_interval: float = 1.0
+    shutdown_timeout: float = 30.0  # grace period on SIGTERM
+    parent_pid: int | None = None  # shut down if this process stops being our parent
+    # NOTE: test-only hook (env PAGEDSERVE_DEBUG_HANG_AFTER_STEPS): after this many steps the
+    # loop stops stepping and heart-beating, as if a step had hung, so tests can see the
+    # gateway's heartbeat watchdog fire.
+    hang_after_steps: int | None = None
+
+
+class EngineLoop:
+    """Runs one core until shutdown. `run()` returns the process exit code."""
+
+    def __init__(self, core: Core, sockets: EngineSockets, incarnation: str,
+                 options: LoopOptions | None = None) -> None:
+        self._core = core
+        self._sockets = sockets
+        self._incarnation = incarnation
+        self._opts = options or LoopOptions()
+        self._inputs: queue.SimpleQueue[ToEngine] = queue.SimpleQueue()
+        self._outputs: queue.SimpleQueue[FromEngine | None] = queue.SimpleQueue()
+        self._stop_input = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._input_thread, name="engine-input", daemon=True),
+            threading.Thread(target=self._output_thread, name="engine-output", daemon=True),
+        ]
+        self._live: set[str] = set()  # admitted requests without a terminal delta yet
+        self._steps = 0
+        self._next_heartbeat = 0.0
+        self._deadline: float | None = None  # set once shutdown is requested
+
+    # ---- public -------------------------------------------------------------------------
+
+    def request_shutdown(self, timeout: float) -> None:
+        """Stop admitting; finish in-flight work for up to `timeout` s, then abort the rest."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
+
+    def run(self) -> int:
+        for thread in self._threads:
+            thread.start()
+        try:
+            while not self._drained():
+                self._run_once()
+            self._finish()
+            return 0
+        except Exception as exc:  # NOTE: any failure of the core kills the engine, loudly
+            log.exception("engine loop failed")
+            self._send(EngineDead(reason=f"{type(exc).__name__}: {exc}",
+                                  incarnation=self._incarnation))
+            return 1
+        finally:
+            self._stop_threads()
+
+    # ---- busy loop ----------------------------------------------------------------------
+
+    def _run_once(self) -> None:
+        busy = self._core.has_unfinished_requests()
+        deltas = self._drain_inputs(block=not busy)
+        if self._core.has_unfinished_requests():
+            self._maybe_hang()
+            deltas += self._core.step()
+            self._steps += 1
+        self._emit(deltas)
+        self._maybe_heartbeat()
+
+    def _drain_inputs(self, *, block: bool) -> list[TokenDelta]:
+        deltas: list[TokenDelta] = []
+        timeout = min(_IDLE_WAIT_S, max(self._next_heartbeat - time.monotonic(), 0.0))
+        try:
+            msg = self._inputs.get(timeout=timeout) if block else self._inputs.get_nowait()
+            while True:
+                deltas += self._handle(msg)
+                msg = self._inputs.get_nowait()
+        except queue.Empty:
+            return deltas
+
+    def _handle(self, msg: ToEngine) -> list[TokenDelta]:
+        match msg:
+            case AddRequest():
+                return self._add(msg)
+            case AbortRequests(request_ids=ids):
+                return self._core.abort_requests(ids)
+            case Shutdown(timeout=timeout):
+                self.request_shutdown(timeout)
+                return []
+
+    def _add(self, msg: AddRequest) -> list[TokenDelta]:
+        if self._deadline is not None:
+            return [_error(msg.request_id, SHUTTING_DOWN)]
+        try:
+            self._core.add_request(msg)
+        except ValueError as exc:
+            return [_error(msg.request_id, str(exc))]
+        self._live.add(msg.request_id)
+        return []
+
+    def _emit(self, deltas: list[TokenDelta]) -> None:
+        if not deltas:
+            return
+        for delta in deltas:
+            if delta.finished:
+                self._live.discard(delta.request_id)
+        self._send(StepOutputs(deltas=deltas, stats=self._core.stats(),
+                               incarnation=self._incarnation))
+
+    def _maybe_heartbeat(self) -> None:
+        # NOTE: sent from the busy loop on purpose: a hung step must stop the heartbeats.
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self._opts.heartbeat_interval
+        stats = self._core.stats()
+        self._send(Heartbeat(step=self._steps, queue_depth=self._inputs.qsize() + stats.num_waiting,
+                             stats=stats, incarnation=self._incarnation))
+        if self._opts.parent_pid is not None and os.getppid() != self._opts.parent_pid:
+            log.warning("parent process %d is gone; shutting down", self._opts.parent_pid)
+            self.request_shutdown(0.0)
+
+    def _maybe_hang(self) -> None:
+        limit = self._opts.hang_after_steps
+        if limit is not None and self._steps >= limit:
+            log.warning("PAGEDSERVE_DEBUG_HANG_AFTER_STEPS=%d reached: hanging", limit)
+            while True:
+                time.sleep(3600)
+
+    # ---- shutdown -----------------------------------------------------------------------
+
+    def _drained(self) -> bool:
+        if self._deadline is None:
+            return False
+        return not self._live or time.monotonic() >= self._deadline
+
+    def _finish(self) -> None:
+        """Abort what is left, refuse what is still queued, and tell the gateway we are done."""
+        leftover = sorted(self._live)
+        deltas = self._core.abort_requests(leftover) if leftover else []
+        answered = {d.request_id for d in deltas if d.finished}
+        for request_id in leftover:
+            if request_id not in answered:
+                log.error("core returned no abort delta for %s; sending one", request_id)
+                deltas.append(TokenDelta(request_id=request_id, finish_reason=FINISH_ABORT))
+        self._stop_input.set()
+        self._threads[0].join()
+        deltas += self._drain_inputs(block=False)
+        self._emit(deltas)
+        reason = "shutdown" + (f" (aborted {len(leftover)} requests)" if leftover else "")
+        self._send(EngineDead(reason=reason, incarnation=self._incarnation))
+
+    def _stop_threads(self) -> None:
+        self._stop_input.set()
+        self._outputs.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        self._sockets.close()
+
+    # ---- IO threads ---------------------------------------------------------------------
+
+    def _send(self, msg: FromEngine) -> None:
+        self._outputs.put(msg)
+
+    def _input_thread(self) -> None:
+        while not self._stop_input.is_set():
+            msg = self._sockets.recv_input(_IO_POLL_MS)
+            if msg is not None:
+                self._inputs.put(msg)
+
+    def _output_thread(self) -> None:
+        while (msg := self._outputs.get()) is not None:
+            self._sockets.send_output(msg)
+
+
+def _error(request_id: str, message: str) -> TokenDelta:
+    return TokenDelta(request_id=request_id, finish_reason=FINISH_ERROR, error=message)
+
+
+def run_engine(config: EngineConfig, input_addr: str, output_addr: str, incarnation: str,
+               options: LoopOptions | None = None,
+               core_factory: Callable[[EngineConfig], Core] | None = None) -> int:
+    """Connect, build the core, hand-shake, run the loop; returns the exit code.
+
+    Installs SIGTERM/SIGINT handlers when called on the main thread.
+    """
+    options = options or LoopOptions()
+    sockets = EngineSockets(input_addr, output_addr, incarnation)
+    try:
+        core = (core_factory or _default_core)(config)
+    except Exception as exc:  # NOTE: tell the gateway why, instead of only exiting
+        log.exception("engine failed to start")
+        sockets.send_output(EngineDead(reason=f"startup failed: {type(exc).__name__}: {exc}",
+                                       incarnation=incarnation))
+        sockets.close()
+        return 1
+    sockets.send_handshake(ready_message(core, incarnation))
+    loop = EngineLoop(core, sockets, incarnation, options)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: loop.request_shutdown(options.shutdown_timeout))
+    return loop.run()
+
+
+def ready_message(core: Core, incarnation: str) -> EngineReady:
+    return EngineReady(
+        model=core.model_name, max_model_len=core.max_model_len, block_size=core.block_size,
+        num_gpu_blocks=core.num_gpu_blocks,
+        # NOTE: the CPU swap pool is optional in the core's interface.
+        num_cpu_blocks=getattr(core, "num_cpu_blocks", 0),
+        incarnation=incarnation, eos_token_ids=list(core.eos_token_ids),
+        tokenizer=core.tokenizer_dir,
+    )
+
+
+def _default_core(config: EngineConfig) -> Core:
+    from engine.core import EngineCore  # NOTE: lazy: torch and the model load only here
+
+    return EngineCore(config)
