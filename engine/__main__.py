@@ -7,9 +7,10 @@ import logging
 import os
 import sys
 import uuid
+from collections.abc import Callable
 
-from engine.process import LoopOptions, run_engine
-from ipc.config import add_engine_args, config_from_args
+from engine.process import Core, LoopOptions, run_engine
+from ipc.config import EngineConfig, add_engine_args, config_from_args
 
 HANG_ENV = "PAGEDSERVE_DEBUG_HANG_AFTER_STEPS"  # test-only: see LoopOptions.hang_after_steps
 
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None,
+         core_factory: Callable[[EngineConfig], Core] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
@@ -48,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         hang_after_steps=int(hang) if hang else None,
     )
     incarnation = ns.incarnation or uuid.uuid4().hex
-    return run_engine(config_from_args(ns), ns.input_addr, ns.output_addr, incarnation, options)
+    return run_engine(config_from_args(ns), ns.input_addr, ns.output_addr, incarnation, options,
+                      core_factory)
 
 
 if __name__ == "__main__":

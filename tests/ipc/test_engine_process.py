@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Iterable
 
 import pytest
+from fake_engine import FakeCore
 
 from engine.process import SHUTTING_DOWN, LoopOptions, run_engine
 from ipc.config import EngineConfig
@@ -16,7 +15,6 @@ from ipc.messages import (
     AddRequest,
     EngineDead,
     EngineReady,
-    EngineStats,
     FromEngine,
     Heartbeat,
     Shutdown,
@@ -28,56 +26,6 @@ from ipc.transport import GatewaySockets
 
 pytestmark = pytest.mark.timeout(30)
 INC = "inc-test"
-
-
-class FakeCore:
-    """Obeys EngineCore's interface: one token per running request per step."""
-
-    model_name = "fake"
-    max_model_len = 64
-    block_size = 16
-    num_gpu_blocks = 8
-    eos_token_ids = [0]
-    tokenizer_dir = "/nonexistent/tokenizer"
-
-    def __init__(self, *, fail_at_step: int | None = None, step_delay: float = 0.0) -> None:
-        self.remaining: dict[str, int] = {}
-        self.steps = 0
-        self.fail_at_step = fail_at_step
-        self.step_delay = step_delay
-
-    def add_request(self, msg: AddRequest) -> None:
-        if not msg.prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        if len(msg.prompt_token_ids) > self.max_model_len:
-            raise ValueError("prompt is too long")
-        self.remaining[msg.request_id] = msg.sampling.max_tokens or self.max_model_len
-
-    def abort_requests(self, request_ids: Iterable[str]) -> list[TokenDelta]:
-        live = [r for r in request_ids if self.remaining.pop(r, None) is not None]
-        return [TokenDelta(request_id=r, finish_reason="abort") for r in live]
-
-    def step(self) -> list[TokenDelta]:
-        self.steps += 1
-        if self.steps == self.fail_at_step:
-            raise RuntimeError("kernel exploded")
-        time.sleep(self.step_delay)
-        deltas = []
-        for rid in list(self.remaining):
-            self.remaining[rid] -= 1
-            done = self.remaining[rid] == 0
-            if done:
-                del self.remaining[rid]
-            deltas.append(TokenDelta(request_id=rid, new_token_ids=[self.steps],
-                                     finish_reason="length" if done else None))
-        return deltas
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.remaining)
-
-    def stats(self) -> EngineStats:
-        return EngineStats(step=self.steps, num_running=len(self.remaining),
-                           kv_blocks_total=self.num_gpu_blocks)
 
 
 class Harness:
