@@ -202,6 +202,9 @@ class EngineClient:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._proc is not None and self._proc is not proc:  # NOTE: a restart raced us
+            _killpg(self._proc, signal.SIGKILL)
+            await self._proc.wait()
         if self._sockets is not None:
             self._sockets.close()
 

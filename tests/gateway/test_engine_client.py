@@ -216,3 +216,42 @@ def test_works_under_uvloop() -> None:
             await client.close(timeout=2)
 
     uvloop.run(scenario())
+
+
+_ORPHAN_PARENT = """
+import asyncio, sys
+from gateway.engine_client import EngineClient
+from ipc.config import EngineConfig
+
+async def main():
+    client = EngineClient(EngineConfig(), engine_command=sys.argv[1:], heartbeat_interval=0.2)
+    await client.start()
+    print(client.pid, flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def _exited(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # NOTE: a zombie waiting for an adoptive parent to reap it
+
+
+async def test_engine_exits_when_the_gateway_is_killed() -> None:
+    root = str(Path(__file__).parents[2])
+    parent = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _ORPHAN_PARENT, *FAKE_ENGINE, stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": root})
+    assert parent.stdout is not None
+    engine_pid = int(await asyncio.wait_for(parent.stdout.readline(), 20))
+    parent.kill()
+    await parent.wait()
+    for _ in range(200):
+        if _exited(engine_pid):
+            break
+        await asyncio.sleep(0.05)
+    assert _exited(engine_pid)
