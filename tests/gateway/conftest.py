@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gateway_fakes import FakeEngine
 
 _CONVERT = (
     "import sys; from transformers import AutoTokenizer; from ipc.model_source import bundled_gguf;"
@@ -25,3 +26,8 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tokenizer")
     subprocess.run([sys.executable, "-c", _CONVERT, str(out)], check=True, timeout=300)
     return out
+
+
+@pytest.fixture
+def fake_engine(tokenizer_dir: Path) -> FakeEngine:
+    return FakeEngine(tokenizer_dir)

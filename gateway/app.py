@@ -1,0 +1,194 @@
+"""The Starlette app: OpenAI endpoints (JSON and SSE), cancel, health, version and metrics.
+
+`build_app(client, settings)` takes any EngineClient-shaped object, so tests can script one.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+
+from gateway.auth import ApiKeyMiddleware
+from gateway.chunks import Accumulator, ChunkBuilder
+from gateway.errors import ApiError
+from gateway.generation import EngineClientLike, Generation
+from gateway.metrics import CONTENT_TYPE
+from gateway.protocol import (
+    AnyRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    decode_request,
+)
+from gateway.service import Gateway, GatewaySettings
+from gateway.streaming import DisconnectAwareResponse, EventStreamResponse
+from gateway.ws import WebSocketEndpoint
+from ipc.messages import FINISH_ERROR
+
+DONE = b"data: [DONE]\n\n"
+PING = b": ping\n\n"
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pagedserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def sse_event(payload: object) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes `limit` bytes (header or stream)."""
+    too_large = ApiError(413, f"request body is larger than {limit} bytes", "request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class Handlers:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def models(self, request: Request) -> Response:
+        gw = self.gw
+        cards = []
+        if gw.model_name is not None:
+            info = gw.client.info
+            cards.append(ModelCard(gw.model_name, int(time.time()),
+                                   max_model_len=info.max_model_len if info else None))
+        return _json(ModelList(cards))
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, ChatCompletionRequest)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, CompletionRequest)
+
+    async def _generate(self, request: Request, kind: type[AnyRequest]) -> Response:
+        try:
+            body = await read_body(request, self.gw.settings.max_body_bytes)
+            parsed = decode_request(body, kind)
+            job = self.gw.prepare(parsed)
+            gen = self.gw.start(job)
+        except ApiError as exc:
+            return exc.response()
+        headers = {"X-Request-Id": job.request_id}
+        disconnected = self.gw.metrics.client_disconnects.inc
+        if parsed.stream:
+            return EventStreamResponse(self._sse(gen), disconnected, headers)
+        return DisconnectAwareResponse(lambda: self._collect(gen, headers), disconnected)
+
+    async def _sse(self, gen: Generation) -> AsyncIterator[bytes]:
+        builder = ChunkBuilder(gen, self.gw.namer())
+        try:
+            async for piece in gen:
+                if piece is None:
+                    yield PING
+                    continue
+                if piece.finish_reason == FINISH_ERROR:
+                    error = ApiError(500, piece.error or "the engine failed", "engine_error")
+                    yield sse_event(error.envelope())
+                    break
+                chunk = builder.chunk(piece)
+                if chunk is not None:
+                    yield sse_event(chunk)
+            else:
+                if gen.job.include_usage:
+                    yield sse_event(builder.usage_chunk())
+            yield DONE
+        finally:
+            await gen.aclose()
+            self.gw.finished(gen)
+
+    async def _collect(self, gen: Generation, headers: dict[str, str]) -> Response:
+        acc = Accumulator(gen, self.gw.namer())
+        try:
+            async for piece in gen:
+                if piece is None:
+                    continue
+                if piece.finish_reason == FINISH_ERROR:
+                    return ApiError(500, piece.error or "the engine failed",
+                                    "engine_error").response()
+                acc.add(piece)
+        finally:
+            await gen.aclose()
+            self.gw.finished(gen)
+        return _json(acc.response(gen.finish_reason), headers)
+
+    async def cancel(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        if not self.gw.cancel(request_id):
+            return ApiError(404, f"no running request `{request_id}`", "request_not_found",
+                            "request_id").response()
+        return JSONResponse({"id": request_id, "object": "request.cancelled", "cancelled": True})
+
+    async def health(self, request: Request) -> Response:
+        if self.gw.ready:
+            return JSONResponse({"status": "ok"})
+        status = "draining" if self.gw.draining else "engine_unavailable"
+        return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": "1"})
+
+    async def livez(self, request: Request) -> Response:
+        return JSONResponse({"status": "alive"})
+
+    async def version(self, request: Request) -> Response:
+        info = self.gw.client.info
+        return JSONResponse({
+            "version": _version(),
+            "model": info.model if info else None,
+            "engine_incarnation": info.incarnation if info else None,
+        })
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.gw.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _json(payload: object, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(payload), headers=headers, media_type="application/json")
+
+
+def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
+              gateway: Gateway | None = None) -> Starlette:
+    gw = gateway or Gateway(client, settings or GatewaySettings())
+    h = Handlers(gw)
+    routes = [
+        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/v1/chat/completions", h.chat, methods=["POST"]),
+        Route("/v1/completions", h.completions, methods=["POST"]),
+        Route("/v1/requests/{request_id}/cancel", h.cancel, methods=["POST"]),
+        Route("/health", h.health, methods=["GET"]),
+        Route("/livez", h.livez, methods=["GET"]),
+        Route("/version", h.version, methods=["GET"]),
+        Route("/metrics", h.metrics, methods=["GET"]),
+        WebSocketRoute("/v1/ws", WebSocketEndpoint(gw)),
+    ]
+    middleware = [
+        Middleware(CORSMiddleware, allow_origins=list(gw.settings.allowed_origins),
+                   allow_methods=["GET", "POST", "OPTIONS"],
+                   allow_headers=["Authorization", "Content-Type"],
+                   expose_headers=["X-Request-Id", "Retry-After"]),
+        Middleware(ApiKeyMiddleware, api_key=gw.settings.api_key),
+    ]
+    app = Starlette(routes=routes, middleware=middleware)
+    app.state.gateway = gw
+    return app

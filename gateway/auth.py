@@ -1,0 +1,43 @@
+"""API-key auth: Bearer tokens compared in constant time (WebSockets check it in the session)."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.errors import ApiError
+
+
+class ApiKeyMiddleware:
+    """Bearer auth on /v1 (constant-time compare); WebSockets are checked in the session."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self._key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            self._key is None
+            or scope["type"] != "http"
+            or scope.get("method") == "OPTIONS"
+            or not scope["path"].startswith("/v1/")
+            or bearer_ok(_header(scope, b"authorization"), self._key)
+        ):
+            await self.app(scope, receive, send)
+            return
+        error = ApiError(401, "missing or invalid API key", "invalid_api_key",
+                         headers={"WWW-Authenticate": "Bearer"})
+        await error.response()(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> bytes:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return value
+    return b""
+
+
+def bearer_ok(header: bytes, key: bytes) -> bool:
+    scheme, _, token = header.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)

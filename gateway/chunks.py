@@ -1,0 +1,125 @@
+"""Turn a Generation's pieces into OpenAI chunks (SSE and WS share them) and full responses."""
+
+from __future__ import annotations
+
+from gateway.generation import Generation, Piece
+from gateway.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    Message,
+    TokenLogprobs,
+    TopLogprob,
+    Usage,
+)
+from ipc.messages import PositionLogprobs
+
+Chunk = ChatCompletionChunk | Completion
+
+
+class TokenNamer:
+    """Token ids to the strings and bytes logprobs show."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self._tok = tokenizer
+
+    def text(self, token_id: int) -> str:
+        return self._tok.token_text(token_id)  # type: ignore[attr-defined]
+
+    def chat(self, positions: list[PositionLogprobs]) -> ChoiceLogprobs:
+        return ChoiceLogprobs([self._chat_one(p) for p in positions])
+
+    def _chat_one(self, pos: PositionLogprobs) -> TokenLogprobs:
+        text = self.text(pos.token_id)
+        top = [TopLogprob(self.text(t.token_id), t.logprob, _bytes(self.text(t.token_id)))
+               for t in pos.top]
+        return TokenLogprobs(text, pos.logprob, _bytes(text), top)
+
+    def completion(self, positions: list[PositionLogprobs], offset: int) -> CompletionLogprobs:
+        tokens, logprobs, tops, offsets = [], [], [], []
+        for pos in positions:
+            text = self.text(pos.token_id)
+            tokens.append(text)
+            logprobs.append(pos.logprob)
+            tops.append({self.text(t.token_id): t.logprob for t in pos.top})
+            offsets.append(offset)
+            offset += len(text)
+        return CompletionLogprobs(tokens, logprobs, tops, offsets)
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def _usage(gen: Generation) -> Usage:
+    return Usage(**gen.usage)
+
+
+class ChunkBuilder:
+    """Builds one stream's chunks: the role in the first chat delta, finish_reason on the last."""
+
+    def __init__(self, gen: Generation, namer: TokenNamer) -> None:
+        self._gen = gen
+        self._namer = namer
+        self._sent_role = False
+        self._offset = 0
+
+    def chunk(self, piece: Piece) -> Chunk | None:
+        job = self._gen.job
+        wants_logprobs = job.sampling.logprobs is not None and piece.logprobs
+        if not (piece.text or piece.finish_reason or wants_logprobs or not self._sent_role):
+            return None
+        if job.kind == "chat":
+            delta = Delta(content=piece.text or None)
+            if not self._sent_role:
+                delta.role, delta.content = "assistant", piece.text
+                self._sent_role = True
+            lp = self._namer.chat(piece.logprobs) if wants_logprobs else None
+            choice = ChatChunkChoice(0, delta, lp, piece.finish_reason)
+            return ChatCompletionChunk(job.request_id, job.created, job.model, [choice])
+        lp = self._namer.completion(piece.logprobs, self._offset) if wants_logprobs else None
+        self._offset += len(piece.text)
+        choice = CompletionChoice(0, piece.text, lp, piece.finish_reason)
+        return Completion(job.request_id, job.created, job.model, [choice])
+
+    def usage_chunk(self) -> Chunk:
+        job = self._gen.job
+        if job.kind == "chat":
+            return ChatCompletionChunk(
+                job.request_id, job.created, job.model, [], usage=_usage(self._gen)
+            )
+        return Completion(job.request_id, job.created, job.model, [], usage=_usage(self._gen))
+
+
+class Accumulator:
+    """Collects pieces into the single JSON response of a non-streaming request."""
+
+    def __init__(self, gen: Generation, namer: TokenNamer) -> None:
+        self._gen = gen
+        self._namer = namer
+        self._text: list[str] = []
+        self._logprobs: list[PositionLogprobs] = []
+
+    def add(self, piece: Piece) -> None:
+        self._text.append(piece.text)
+        if piece.logprobs:
+            self._logprobs.extend(piece.logprobs)
+
+    def response(self, finish_reason: str | None) -> ChatCompletion | Completion:
+        job = self._gen.job
+        text = "".join(self._text)
+        want = job.sampling.logprobs is not None
+        if job.kind == "chat":
+            lp = self._namer.chat(self._logprobs) if want else None
+            choice = ChatChoice(0, Message("assistant", text), lp, finish_reason)
+            return ChatCompletion(job.request_id, job.created, job.model, [choice],
+                                  _usage(self._gen))
+        lp = self._namer.completion(self._logprobs, 0) if want else None
+        return Completion(job.request_id, job.created, job.model,
+                          [CompletionChoice(0, text, lp, finish_reason)], _usage(self._gen))

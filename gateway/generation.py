@@ -1,0 +1,221 @@
+"""One request's path through the gateway: submit, detokenize, match stop strings, count, abort.
+
+Both the HTTP handlers and the WebSocket session consume a `Generation` as an async iterator of
+`Piece`s (None while nothing arrived for `tick` seconds, so SSE can send `: ping`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from gateway.metrics import Metrics
+from ipc.messages import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_STOP,
+    AddRequest,
+    EngineReady,
+    EngineStats,
+    PositionLogprobs,
+    TokenDelta,
+)
+from ipc.sampling import SamplingParams
+from ipc.text import IncrementalDetokenizer, StopMatcher
+
+log = structlog.get_logger("pagedserve.request")
+
+
+class RequestStreamLike(Protocol):
+    request_id: str
+
+    def __aiter__(self) -> AsyncIterator[TokenDelta]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class EngineClientLike(Protocol):
+    """What the gateway needs of `gateway.engine_client.EngineClient` (tests pass a double)."""
+
+    ready: bool
+    info: EngineReady | None
+    stats: EngineStats | None
+    num_inflight: int
+
+    def submit(self, msg: AddRequest) -> RequestStreamLike: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class Job:
+    """A validated request, ready for the engine."""
+
+    request_id: str
+    kind: str  # "chat" | "completion"
+    model: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    include_usage: bool = False
+    arrival: float = field(default_factory=time.time)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Piece:
+    """New text (stop strings held back) and the tokens behind it; `finish_reason` set is last."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Generation:
+    """Runs one Job on the engine; iterate it once. Closing it (or `aclose`) aborts the request."""
+
+    def __init__(
+        self,
+        client: EngineClientLike,
+        tokenizer: Decoder,
+        job: Job,
+        metrics: Metrics,
+        tick: float = 1.0,
+    ) -> None:
+        self.job = job
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._client = client
+        self._metrics = metrics
+        self._tick = tick
+        sampling = job.sampling
+        self._detok = IncrementalDetokenizer(tokenizer, sampling.skip_special_tokens)
+        self._stops = StopMatcher(sampling.stop, sampling.include_stop_str_in_output)
+        self._stream = client.submit(
+            AddRequest(
+                request_id=job.request_id,
+                prompt_token_ids=job.prompt_ids,
+                sampling=sampling,
+                priority=job.priority,
+                arrival_time=job.arrival,
+            )
+        )
+        self._submitted = time.monotonic()
+        self._first: float | None = None
+        self._last: float | None = None
+        self._logged = False
+        self._closed = False
+        metrics.prompt_tokens.inc(len(job.prompt_ids))
+
+    @property
+    def started(self) -> bool:
+        """True once the engine has answered (the request left its queue)."""
+        return self._first is not None
+
+    @property
+    def usage(self) -> dict[str, int]:
+        prompt = len(self.job.prompt_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+        }
+
+    async def __aiter__(self) -> AsyncIterator[Piece | None]:
+        deltas = aiter(self._stream)
+        pending: asyncio.Future[TokenDelta] | None = None
+        try:
+            while self.finish_reason is None:
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(deltas))
+                done, _ = await asyncio.wait({pending}, timeout=self._tick)
+                if not done:
+                    yield None
+                    continue
+                try:
+                    delta = pending.result()
+                except StopAsyncIteration:
+                    delta = TokenDelta(
+                        request_id=self.job.request_id, finish_reason=FINISH_ERROR,
+                        error="the engine stream ended without a final output",
+                    )
+                pending = None
+                piece = self._on_delta(delta)
+                if piece is not None:
+                    yield piece
+        finally:
+            if pending is not None:
+                pending.cancel()
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Abort the engine request if it still runs; log and count the request once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.finish_reason is None:
+            self.finish_reason = FINISH_ABORT
+        await self._stream.aclose()
+        self._finish_metrics()
+
+    def _on_delta(self, delta: TokenDelta) -> Piece | None:
+        now = time.monotonic()
+        ids = delta.new_token_ids
+        if ids:
+            self._count_tokens(now, len(ids))
+        text = self._detok.add(ids)
+        if delta.finished:
+            text += self._detok.flush()
+        safe, stopped = self._stops.push(text)
+        if stopped:
+            # NOTE: a stop string is a normal finish for the client; the engine is aborted.
+            self.finish_reason = FINISH_STOP
+            self._client.abort(self.job.request_id)
+            return Piece(safe, ids, delta.logprobs, FINISH_STOP)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            safe += self._stops.flush()
+            return Piece(safe, ids, delta.logprobs, delta.finish_reason, delta.error)
+        if safe or ids:
+            return Piece(safe, ids, delta.logprobs)
+        return None
+
+    def _count_tokens(self, now: float, n: int) -> None:
+        m = self._metrics
+        if self._first is None:
+            self._first = now
+            m.ttft.observe(time.time() - self.job.arrival)
+            m.queue_time.observe(now - self._submitted)
+        elif self._last is not None:
+            m.itl.observe((now - self._last) / n)
+        self._last = now
+        self.completion_tokens += n
+        m.generation_tokens.inc(n)
+
+    def _finish_metrics(self) -> None:
+        if self._logged:
+            return
+        self._logged = True
+        e2e = time.time() - self.job.arrival
+        reason = self.finish_reason or FINISH_ABORT
+        self._metrics.e2e.observe(e2e)
+        self._metrics.requests.labels(finish_reason=reason).inc()
+        fields: dict[str, Any] = dict(
+            request_id=self.job.request_id, kind=self.job.kind, model=self.job.model,
+            finish_reason=reason, e2e_s=round(e2e, 4),
+            **self.usage,
+        )
+        if self._first is not None:
+            fields["ttft_s"] = round(self._first - self._submitted, 4)
+        log.info("request.finished", **fields)

@@ -1,0 +1,88 @@
+"""Prometheus metrics with fixed names (dashboards rely on them); engine gauges read on scrape."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ipc.messages import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
+
+
+class _EngineCollector(Collector):
+    """Gauges and the preemption counter come straight from the latest EngineStats."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._stats() or EngineStats()
+        total, free = stats.kv_blocks_total, stats.kv_blocks_free
+        yield from (
+            GaugeMetricFamily(
+                "pagedserve_requests_running", "Requests running in the engine",
+                value=stats.num_running,
+            ),
+            GaugeMetricFamily(
+                "pagedserve_requests_waiting", "Requests waiting in the engine's queue",
+                value=stats.num_waiting,
+            ),
+            GaugeMetricFamily(
+                "pagedserve_kv_cache_usage_ratio", "Fraction of KV blocks in use",
+                value=(total - free) / total if total else 0.0,
+            ),
+            GaugeMetricFamily("pagedserve_kv_blocks_free", "Free KV blocks", value=free),
+            GaugeMetricFamily("pagedserve_kv_blocks_total", "KV blocks in the pool", value=total),
+            CounterMetricFamily(
+                "pagedserve_preemptions", "Requests preempted by the scheduler",
+                value=stats.num_preemptions,
+            ),
+        )
+
+
+class Metrics:
+    """One registry per app, so tests can build several apps in one process."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "pagedserve_time_to_first_token_seconds", "Arrival to first output token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "pagedserve_inter_token_latency_seconds", "Time between output tokens",
+            buckets=_TOKEN_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "pagedserve_e2e_request_latency_seconds", "Arrival to the last output",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_time = Histogram(
+            "pagedserve_request_queue_time_seconds",
+            "Submission to the engine until its first output for the request (queue + prefill)",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pagedserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "pagedserve_generation_tokens", "Output tokens streamed", registry=r
+        )
+        self.client_disconnects = Counter(
+            "pagedserve_client_disconnects", "Clients gone before their request finished",
+            registry=r,
+        )
+        self.requests = Counter(
+            "pagedserve_requests", "Finished requests", ["finish_reason"], registry=r
+        )
+        r.register(_EngineCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,322 @@
+"""WebSocket `/v1/ws`, subprotocol `pagedserve.v1`: many generations per socket (docs/websocket.md).
+
+Each socket is a `Session` with an explicit state; generations push frames into a bounded
+`Outbox` that one sender task drains, so a slow reader never blocks other sockets or streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import uuid
+from collections import deque
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+from starlette.types import Receive, Scope, Send
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from gateway.auth import bearer_ok
+from gateway.chunks import ChunkBuilder
+from gateway.errors import ApiError
+from gateway.generation import Generation
+from gateway.protocol import ChatCompletionRequest, decode_request
+from gateway.service import Gateway
+from ipc.messages import FINISH_ABORT, FINISH_ERROR
+
+SUBPROTOCOL = "pagedserve.v1"
+MAX_GENERATIONS_PER_SOCKET = 64
+CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY = 1008
+
+
+class Generate(msgspec.Struct, tag="generate"):
+    id: str
+    request: msgspec.Raw
+
+
+class Cancel(msgspec.Struct, tag="cancel"):
+    id: str
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    pass
+
+
+_frames = msgspec.json.Decoder(Generate | Cancel | Ping)
+
+
+class State(enum.IntEnum):
+    CONNECTING = 0  # handshake checks (origin, auth) not yet passed
+    OPEN = 1  # accepts generate frames
+    DRAINING = 2  # server shutting down: running generations finish, new ones are refused
+    CLOSED = 3  # socket gone: every generation aborted, frames dropped
+
+
+class Outbox:
+    """Frames waiting to be sent. A delta for an id whose previous delta is still queued is
+    merged into it (the reader is behind); past `max_frames` or `max_chars` it overflows."""
+
+    def __init__(self, max_frames: int, max_chars: int = 1 << 20) -> None:
+        self._frames: deque[dict[str, Any]] = deque()
+        self._open_delta: dict[str, dict[str, Any]] = {}
+        self._chars = 0
+        self._max_frames = max_frames
+        self._max_chars = max_chars
+        self._wake = asyncio.Event()
+        self.overflowed = False
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    def push(self, frame: dict[str, Any]) -> None:
+        gen_id = frame.get("id")
+        if frame["type"] == "generation.delta":
+            queued = self._open_delta.get(gen_id)  # type: ignore[arg-type]
+            if queued is not None:
+                self._chars += _merge_chunk(queued["chunk"], frame["chunk"])
+                self._check()
+                return
+            self._open_delta[gen_id] = frame  # type: ignore[index]
+            self._chars += _chunk_chars(frame["chunk"])
+        elif gen_id is not None:
+            self._open_delta.pop(gen_id, None)  # NOTE: nothing merges past a done/error frame
+        self._frames.append(frame)
+        self._wake.set()
+        self._check()
+
+    async def pop(self) -> dict[str, Any] | None:
+        """The next frame, or None once the outbox overflowed (the socket must close)."""
+        while not self._frames and not self.overflowed:
+            self._wake.clear()
+            await self._wake.wait()
+        if self.overflowed:
+            return None
+        frame = self._frames.popleft()
+        if frame["type"] == "generation.delta":
+            if self._open_delta.get(frame["id"]) is frame:
+                del self._open_delta[frame["id"]]
+            self._chars -= _chunk_chars(frame["chunk"])
+        return frame
+
+    def _check(self) -> None:
+        if len(self._frames) > self._max_frames or self._chars > self._max_chars:
+            self.overflowed = True
+            self._wake.set()
+
+
+def _chunk_chars(chunk: dict[str, Any]) -> int:
+    return sum(len(c.get("delta", {}).get("content") or "") for c in chunk.get("choices", []))
+
+
+def _merge_chunk(into: dict[str, Any], new: dict[str, Any]) -> int:
+    """Append `new`'s text and logprobs to `into`; returns the characters added."""
+    if not new.get("choices"):
+        return 0
+    if not into.get("choices"):
+        into["choices"] = new["choices"]
+        return _chunk_chars(new)
+    old_choice, new_choice = into["choices"][0], new["choices"][0]
+    text = new_choice["delta"].get("content") or ""
+    old_delta = old_choice["delta"]
+    old_delta["content"] = (old_delta.get("content") or "") + text
+    if new_choice.get("logprobs"):
+        if old_choice.get("logprobs"):
+            old_choice["logprobs"]["content"].extend(new_choice["logprobs"]["content"])
+        else:
+            old_choice["logprobs"] = new_choice["logprobs"]
+    old_choice["finish_reason"] = new_choice.get("finish_reason") or old_choice["finish_reason"]
+    return len(text)
+
+
+class WebSocketEndpoint:
+    """ASGI endpoint: one Session per connection."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await Session(self.gw, WebSocket(scope, receive, send)).run()
+
+
+class Session:
+    def __init__(self, gateway: Gateway, websocket: WebSocket) -> None:
+        self.gw = gateway
+        self.ws = websocket
+        self.state = State.CONNECTING
+        self.id = f"sess-{uuid.uuid4().hex[:16]}"
+        self.outbox = Outbox(gateway.settings.ws_send_queue)
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.seq: dict[str, int] = {}
+
+    async def run(self) -> None:
+        problem = self._handshake_problem()
+        if problem is not None:
+            await self.ws.close(code=CLOSE_POLICY, reason=problem)
+            return
+        offered = self.ws.scope.get("subprotocols", [])
+        await self.ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+        self.state = State.DRAINING if self.gw.draining else State.OPEN
+        self.gw.drain_listeners.append(self._on_drain)
+        sender = asyncio.create_task(self._send_loop())
+        self.push({"type": "session.created", "session_id": self.id, "protocol": SUBPROTOCOL,
+                   "model": self.gw.model_name})
+        if self.state is State.DRAINING:
+            self.push({"type": "session.draining"})
+        receiver = asyncio.create_task(self._receive_loop())
+        try:
+            await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            receiver.cancel()
+            await self._close(sender)
+
+    # ---- handshake ----------------------------------------------------------------------
+
+    def _handshake_problem(self) -> str | None:
+        headers = self.ws.headers
+        origin = headers.get("origin")
+        if origin is not None and not self._origin_allowed(origin, headers.get("host", "")):
+            return "origin not allowed"
+        key = self.gw.settings.api_key
+        if key is None:
+            return None
+        auth = headers.get("authorization", "").encode()
+        tokens = [p[len("bearer."):] for p in self.ws.scope.get("subprotocols", [])
+                  if p.startswith("bearer.")]
+        if bearer_ok(auth, key.encode()) or any(
+            bearer_ok(b"Bearer " + t.encode(), key.encode()) for t in tokens
+        ):
+            return None
+        return "missing or invalid API key"
+
+    def _origin_allowed(self, origin: str, host: str) -> bool:
+        allowed = self.gw.settings.allowed_origins
+        if "*" in allowed or origin in allowed:
+            return True
+        return not allowed and urlsplit(origin).netloc == host  # same origin by default
+
+    # ---- frames in ----------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while self.state is not State.CLOSED:
+            try:
+                message = await self.ws.receive()
+            except WebSocketDisconnect:
+                return
+            if message["type"] == "websocket.disconnect":
+                return
+            data = message.get("text")
+            if data is None:
+                self._error(None, ApiError(400, "frames must be JSON text", "invalid_frame"))
+                continue
+            self._handle(data)
+
+    def _handle(self, data: str) -> None:
+        try:
+            frame = _frames.decode(data)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            self._error(None, ApiError(400, f"invalid frame: {exc}", "invalid_frame"))
+            return
+        match frame:
+            case Ping():
+                self.push({"type": "pong"})
+            case Cancel(id=gen_id):
+                task = self.tasks.get(gen_id)
+                if task is None:
+                    self._error(gen_id, ApiError(404, f"no running generation `{gen_id}`",
+                                                 "generation_not_found"))
+                else:
+                    task.cancel()
+            case Generate(id=gen_id, request=raw):
+                self._start(gen_id, raw)
+
+    def _start(self, gen_id: str, raw: msgspec.Raw) -> None:
+        try:
+            if self.state is State.DRAINING:
+                raise ApiError(503, "the server is shutting down", "server_draining")
+            if gen_id in self.tasks:
+                raise ApiError(400, f"generation `{gen_id}` is running", "duplicate_id", "id")
+            if len(self.tasks) >= MAX_GENERATIONS_PER_SOCKET:
+                raise ApiError(429, "too many generations on this socket", "too_many_generations")
+            request = decode_request(bytes(raw), ChatCompletionRequest)
+            gen = self.gw.start(self.gw.prepare(request))
+        except ApiError as exc:
+            self._error(gen_id, exc)
+            return
+        self.seq[gen_id] = 0
+        self.push({"type": "generation.started", "id": gen_id, "request_id": gen.job.request_id})
+        self.tasks[gen_id] = asyncio.create_task(self._run(gen_id, gen))
+
+    # ---- generations --------------------------------------------------------------------
+
+    async def _run(self, gen_id: str, gen: Generation) -> None:
+        builder = ChunkBuilder(gen, self.gw.namer())
+        cancelled = False
+        try:
+            async for piece in gen:
+                if piece is None:
+                    continue
+                if piece.finish_reason == FINISH_ERROR:
+                    self._error(gen_id, ApiError(500, piece.error or "the engine failed",
+                                                 "engine_error"))
+                    return
+                chunk = builder.chunk(piece)
+                if chunk is not None:
+                    self.push({"type": "generation.delta", "id": gen_id,
+                               "chunk": msgspec.to_builtins(chunk)})
+        except asyncio.CancelledError:
+            cancelled = True  # NOTE: only this session cancels these tasks (cancel frame, close)
+        finally:
+            await gen.aclose()
+            self.gw.finished(gen)
+            self.tasks.pop(gen_id, None)
+        status = "cancelled" if cancelled or gen.finish_reason == FINISH_ABORT else "completed"
+        self.push({"type": "generation.done", "id": gen_id, "status": status,
+                   "finish_reason": gen.finish_reason, "usage": gen.usage})
+
+    # ---- frames out ---------------------------------------------------------------------
+
+    def push(self, frame: dict[str, Any]) -> None:
+        if self.state is not State.CLOSED:
+            self.outbox.push(frame)
+
+    def _error(self, gen_id: str | None, error: ApiError) -> None:
+        frame: dict[str, Any] = {"type": "error", "error": msgspec.to_builtins(error.body)}
+        if gen_id is not None:
+            frame["id"] = gen_id
+        self.push(frame)
+
+    async def _send_loop(self) -> None:
+        while (frame := await self.outbox.pop()) is not None:
+            if frame["type"] == "generation.delta":
+                frame["seq"] = self.seq[frame["id"]]
+                self.seq[frame["id"]] += 1
+            await self.ws.send_text(msgspec.json.encode(frame).decode())
+
+    def _on_drain(self) -> None:
+        if self.state is State.OPEN:
+            self.state = State.DRAINING
+            self.push({"type": "session.draining"})
+
+    async def _close(self, sender: asyncio.Task[None]) -> None:
+        overflowed = self.outbox.overflowed
+        self.state = State.CLOSED
+        if self._on_drain in self.gw.drain_listeners:
+            self.gw.drain_listeners.remove(self._on_drain)
+        tasks = list(self.tasks.values())
+        for task in tasks:
+            task.cancel()
+        sender.cancel()
+        await asyncio.gather(sender, *tasks, return_exceptions=True)
+        # NOTE: a send that failed because the peer left ends the sender with an error; that
+        # is a normal close, and the receive side reports it too.
+        if overflowed:
+            await self._try_close(CLOSE_TRY_AGAIN_LATER, "reader too slow")
+
+    async def _try_close(self, code: int, reason: str) -> None:
+        try:
+            await self.ws.close(code=code, reason=reason)
+        except (RuntimeError, OSError, WebSocketDisconnect):
+            return  # NOTE: already closed by the peer; nothing left to tell it

@@ -1,0 +1,149 @@
+"""A scripted EngineClient double and an in-loop uvicorn runner for gateway tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from ipc.messages import (
+    AddRequest,
+    EngineReady,
+    EngineStats,
+    PositionLogprobs,
+    TokenDelta,
+    TokenLogprob,
+)
+
+
+class FakeStream:
+    """Yields TokenDeltas the FakeEngine feeds it; ends after the terminal one."""
+
+    def __init__(self, engine: FakeEngine, msg: AddRequest) -> None:
+        self.request_id = msg.request_id
+        self.queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        self.done = False
+        self._engine = engine
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        if self.done:
+            raise StopAsyncIteration
+        delta = await self.queue.get()
+        self.done = delta.finished
+        return delta
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self._engine.abort(self.request_id)
+
+
+class FakeEngine:
+    """Answers each request with `reply` (text) one token per `interval`, like the engine would:
+    length at max_tokens, stop at the end of the reply, abort on abort, error on `kill()`."""
+
+    def __init__(self, tokenizer_dir: Path, reply: str = "Hello there, how are you today?",
+                 interval: float = 0.01, max_model_len: int = 256) -> None:
+        from gateway.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer(tokenizer_dir)
+        self.reply_ids = self.tokenizer.encode(reply)
+        self.interval = interval
+        self.first_delay = 0.0
+        self.ready = True
+        self.info: EngineReady | None = EngineReady(
+            model="test-model", max_model_len=max_model_len, block_size=16, num_gpu_blocks=64,
+            tokenizer=str(tokenizer_dir), incarnation="fake-1",
+        )
+        self.stats: EngineStats | None = EngineStats(kv_blocks_total=64, kv_blocks_free=64)
+        self.submitted: list[AddRequest] = []
+        self.aborted: list[str] = []
+        self.streams: dict[str, FakeStream] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._tasks)
+
+    def submit(self, msg: AddRequest) -> FakeStream:
+        if not self.ready:
+            raise RuntimeError("engine not ready")
+        stream = FakeStream(self, msg)
+        self.submitted.append(msg)
+        self.streams[msg.request_id] = stream
+        self._tasks[msg.request_id] = asyncio.create_task(self._feed(msg, stream))
+        self.stats = EngineStats(num_running=len(self._tasks), kv_blocks_total=64,
+                                 kv_blocks_free=64 - len(self._tasks))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        task = self._tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+            self.streams[request_id].queue.put_nowait(
+                TokenDelta(request_id=request_id, finish_reason="abort"))
+        self._update_stats()
+
+    def kill(self) -> None:
+        """The engine dies: every stream gets an error delta, and it is not ready."""
+        self.ready = False
+        for request_id, task in list(self._tasks.items()):
+            task.cancel()
+            self.streams[request_id].queue.put_nowait(
+                TokenDelta(request_id=request_id, finish_reason="error", error="engine died"))
+        self._tasks.clear()
+        self._update_stats()
+
+    def _update_stats(self) -> None:
+        n = len(self._tasks)
+        self.stats = EngineStats(num_running=n, kv_blocks_total=64, kv_blocks_free=64 - n)
+
+    async def _feed(self, msg: AddRequest, stream: FakeStream) -> None:
+        limit = msg.sampling.max_tokens or len(self.reply_ids)
+        ids = self.reply_ids[:limit]
+        await asyncio.sleep(self.first_delay)
+        for i, token in enumerate(ids):
+            await asyncio.sleep(self.interval)
+            last = i == len(ids) - 1
+            reason = None if not last else ("length" if len(ids) == limit else "stop")
+            lp = None
+            if msg.sampling.logprobs is not None:
+                top = [TokenLogprob(token, -0.5)][: msg.sampling.logprobs]
+                lp = [PositionLogprobs(token, -0.5, 1, top)]
+            stream.queue.put_nowait(TokenDelta(
+                request_id=msg.request_id, new_token_ids=[token], finish_reason=reason,
+                logprobs=lp, num_prompt_tokens=len(msg.prompt_token_ids)))
+        self._tasks.pop(msg.request_id, None)
+        self._update_stats()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def serve(app: object) -> AsyncIterator[str]:
+    """Run `app` under uvicorn on a free 127.0.0.1 port inside this event loop."""
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            lifespan="off", loop="asyncio")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    for _ in range(200):
+        if server.started:
+            break
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)

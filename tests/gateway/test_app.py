@@ -1,0 +1,228 @@
+"""HTTP/SSE behaviour of the gateway app against a scripted engine, under a real uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from gateway_fakes import FakeEngine, serve
+
+from gateway.app import build_app
+from gateway.service import GatewaySettings
+
+CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
+REPLY = "Hello there, how are you today?"
+
+
+def _app(engine: FakeEngine, **settings: object):
+    return build_app(engine, GatewaySettings(**settings))  # type: ignore[arg-type]
+
+
+async def _sse_events(response: httpx.Response) -> list[str]:
+    body = (await response.aread()).decode()
+    assert body.endswith("data: [DONE]\n\n")
+    return [block for block in body.split("\n\n") if block]
+
+
+async def test_openai_sdk_chat_and_models(fake_engine: FakeEngine) -> None:
+    async with serve(_app(fake_engine)) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["test-model"]
+        reply = await client.chat.completions.create(model="test-model", messages=CHAT["messages"])
+        assert reply.choices[0].message.content == REPLY
+        assert reply.choices[0].finish_reason == "stop"
+        assert reply.usage.completion_tokens == len(fake_engine.reply_ids)
+        stream = await client.chat.completions.create(
+            model="test-model", messages=CHAT["messages"], stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == REPLY
+        assert chunks[-2].choices[0].finish_reason == "stop"
+        assert chunks[-1].choices == []
+        assert chunks[-1].usage.total_tokens == reply.usage.total_tokens
+
+
+async def test_completions_length_and_logprobs(fake_engine: FakeEngine) -> None:
+    async with serve(_app(fake_engine)) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        reply = await client.completions.create(model="test-model", prompt="Say", max_tokens=3,
+                                                logprobs=1)
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.choices[0].text == fake_engine.tokenizer.decode(fake_engine.reply_ids[:3])
+        assert len(reply.choices[0].logprobs.tokens) == 3
+        chat = await client.chat.completions.create(
+            model="test-model", messages=CHAT["messages"], logprobs=True, top_logprobs=1,
+            max_tokens=2)
+        assert [t.logprob for t in chat.choices[0].logprobs.content] == [-0.5, -0.5]
+
+
+async def test_sse_framing_and_stop_string(fake_engine: FakeEngine) -> None:
+    async with serve(_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        body = {**CHAT, "stream": True, "stop": [" how"]}
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = await _sse_events(response)
+        assert all(e.startswith("data: ") for e in events)
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert text == "Hello there,"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        assert set(fake_engine.aborted) == {chunks[0]["id"]}  # the engine request was stopped
+
+
+async def test_ping_while_queued(fake_engine: FakeEngine) -> None:
+    fake_engine.first_delay = 0.5
+    async with serve(_app(fake_engine, ping_interval=0.1)) as url, \
+            httpx.AsyncClient(base_url=url) as http:
+        async with http.stream("POST", "/v1/completions",
+                               json={"prompt": "x", "stream": True, "max_tokens": 2}) as response:
+            events = await _sse_events(response)
+        assert events[0] == ": ping" and events[-1] == "data: [DONE]"
+
+
+async def test_engine_failure_mid_stream(fake_engine: FakeEngine) -> None:
+    fake_engine.interval = 0.05
+    async with serve(_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        async with http.stream("POST", "/v1/chat/completions",
+                               json={**CHAT, "stream": True}) as response:
+            lines = response.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: {"):
+                    break
+            fake_engine.kill()
+            rest = [line async for line in lines if line]
+        assert json.loads(rest[-2][6:])["error"]["code"] == "engine_error"
+        assert rest[-1] == "data: [DONE]"
+        assert (await http.get("/health")).status_code == 503
+        response = await http.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 503 and int(response.headers["retry-after"]) > 0
+
+
+async def test_disconnects_abort(fake_engine: FakeEngine) -> None:
+    fake_engine.interval = 0.2
+    app = _app(fake_engine)
+    async with serve(app) as url:
+        for stream in (True, False):
+            async with httpx.AsyncClient(base_url=url) as http:
+
+                async def call(http: httpx.AsyncClient = http, stream: bool = stream) -> None:
+                    body = {**CHAT, "stream": stream}
+                    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                        await response.aread()
+
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(call(), 0.5)
+            for _ in range(50):
+                if len(set(fake_engine.aborted)) == int(not stream) + 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(set(fake_engine.aborted)) == int(not stream) + 1
+        assert app.state.gateway.generations == {}
+        metrics = (await httpx.AsyncClient(base_url=url).get("/metrics")).text
+        assert "pagedserve_client_disconnects_total 2.0" in metrics
+
+
+async def test_cancel_endpoint(fake_engine: FakeEngine) -> None:
+    fake_engine.interval = 0.05
+    async with serve(_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        task = asyncio.create_task(
+            http.post("/v1/chat/completions", json={**CHAT, "request_id": "req-1"}))
+        await asyncio.sleep(0.1)
+        assert (await http.post("/v1/requests/req-1/cancel")).json()["cancelled"] is True
+        reply = (await task).json()
+        assert reply["choices"][0]["finish_reason"] == "abort"
+        missing = await http.post("/v1/requests/nope/cancel")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
+
+
+async def test_overload_is_503_with_retry_after(fake_engine: FakeEngine) -> None:
+    fake_engine.first_delay = 0.5
+    async with serve(_app(fake_engine, max_queued_requests=1)) as url, \
+            httpx.AsyncClient(base_url=url) as http:
+        first = asyncio.create_task(http.post("/v1/chat/completions", json=CHAT))
+        await asyncio.sleep(0.1)
+        second = await http.post("/v1/chat/completions", json=CHAT)
+        assert second.status_code == 503 and int(second.headers["retry-after"]) >= 1
+        assert second.json()["error"]["code"] == "server_overloaded"
+        assert (await first).status_code == 200
+
+
+async def test_api_key_and_health(fake_engine: FakeEngine) -> None:
+    async with serve(_app(fake_engine, api_key="sekret")) as url, \
+            httpx.AsyncClient(base_url=url) as http:
+        denied = await http.get("/v1/models")
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        wrong = await http.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        ok = await http.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+        assert (await http.get("/health")).status_code == 200
+        assert (await http.get("/livez")).status_code == 200
+        assert (await http.get("/version")).json()["model"] == "test-model"
+
+
+async def test_metrics_names(fake_engine: FakeEngine) -> None:
+    async with serve(_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        await http.post("/v1/chat/completions", json=CHAT)
+        text = (await http.get("/metrics")).text
+    for name in (
+        "pagedserve_time_to_first_token_seconds_bucket",
+        "pagedserve_inter_token_latency_seconds_bucket",
+        "pagedserve_e2e_request_latency_seconds_bucket",
+        "pagedserve_request_queue_time_seconds_bucket",
+        "pagedserve_requests_running", "pagedserve_requests_waiting",
+        "pagedserve_kv_cache_usage_ratio", "pagedserve_kv_blocks_free",
+        "pagedserve_kv_blocks_total", "pagedserve_prompt_tokens_total",
+        "pagedserve_generation_tokens_total", "pagedserve_preemptions_total",
+        "pagedserve_client_disconnects_total",
+        'pagedserve_requests_total{finish_reason="stop"} 1.0',
+    ):
+        assert name in text, name
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"model": "test-model", "metadata": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+BAD_INPUTS = [
+    ("malformed", b'{"messages": [', 400, "invalid_json"),
+    ("not an object", b"[1, 2]", 400, "invalid_json"),
+    ("invalid utf-8", b'{"model": "\xff\xfe", "messages": []}', 400, "invalid_json"),
+    ("deep nesting", _nested(50_000), 400, "invalid_json"),
+    ("NaN", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400,
+     "invalid_json"),
+    ("infinite", json.dumps({**CHAT, "temperature": 1e999}).encode().replace(b"Infinity",
+     b"1e999"), 400, "invalid_value"),
+    ("negative max_tokens", json.dumps({**CHAT, "max_tokens": -1}).encode(), 400,
+     "invalid_value"),
+    ("huge int", json.dumps({**CHAT, "max_tokens": 10**30}).encode(), 400, "invalid_value"),
+    ("temperature < 0", json.dumps({**CHAT, "temperature": -1}).encode(), 400, "invalid_value"),
+    ("top_p > 1", json.dumps({**CHAT, "top_p": 2}).encode(), 400, "invalid_value"),
+    ("n=2", json.dumps({**CHAT, "n": 2}).encode(), 400, "unsupported_value"),
+    ("missing messages", b'{"model": "test-model"}', 400, "missing_required_parameter"),
+    ("empty messages", b'{"messages": []}', 400, "invalid_value"),
+    ("wrong type", json.dumps({**CHAT, "stream": "yes"}).encode(), 400, "invalid_value"),
+    ("unknown model", json.dumps({**CHAT, "model": "gpt-9"}).encode(), 404, "model_not_found"),
+    ("context", json.dumps({**CHAT, "max_tokens": 10_000}).encode(), 400,
+     "context_length_exceeded"),
+    ("too large", b'{"x": "' + b"a" * 300_000 + b'"}', 413, "request_too_large"),
+]
+
+
+@pytest.mark.parametrize("name, body, status, code", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+async def test_bad_inputs(fake_engine: FakeEngine, name: str, body: bytes, status: int,
+                          code: str) -> None:
+    app = _app(fake_engine, max_body_bytes=256_000)
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as http:
+        response = await http.post("/v1/chat/completions", content=body,
+                                   headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and isinstance(error["message"], str)
+    assert set(error) == {"message", "type", "param", "code"}
