@@ -1,0 +1,145 @@
+"""The `pagedserve.v1` WebSocket protocol against a scripted engine, and the slow-reader outbox."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import websockets
+from gateway_fakes import FakeEngine, serve
+
+from gateway.app import build_app
+from gateway.service import GatewaySettings
+from gateway.ws import Outbox
+
+REQUEST = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _ws_url(url: str) -> str:
+    return url.replace("http://", "ws://") + "/v1/ws"
+
+
+async def _recv(ws: websockets.ClientConnection) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), 5))
+
+
+async def _until_done(ws: websockets.ClientConnection, ids: set[str]) -> list[dict]:
+    frames = []
+    while ids:
+        frame = await _recv(ws)
+        frames.append(frame)
+        if frame["type"] in ("generation.done", "error"):
+            ids.discard(frame.get("id"))
+    return frames
+
+
+async def test_interleaved_generations_and_cancel(fake_engine: FakeEngine) -> None:
+    fake_engine.interval = 0.05
+    app = build_app(fake_engine, GatewaySettings())
+    async with serve(app) as url, websockets.connect(
+        _ws_url(url), subprotocols=["pagedserve.v1"]
+    ) as ws:
+        assert ws.subprotocol == "pagedserve.v1"
+        assert (await _recv(ws))["type"] == "session.created"
+        for gen_id in ("a", "b", "c"):
+            await ws.send(json.dumps({"type": "generate", "id": gen_id, "request": REQUEST}))
+        await ws.send(json.dumps({"type": "ping"}))
+        frames = []
+        while sum(f["type"] == "generation.delta" and f["id"] == "b" for f in frames) < 2:
+            frames.append(await _recv(ws))
+        await ws.send(json.dumps({"type": "cancel", "id": "b"}))
+        frames += await _until_done(ws, {"a", "b", "c"})
+    assert {"type": "pong"} in frames
+    done = {f["id"]: f for f in frames if f["type"] == "generation.done"}
+    assert done["b"]["status"] == "cancelled" and done["b"]["finish_reason"] == "abort"
+    assert done["a"]["status"] == done["c"]["status"] == "completed"
+    for gen_id in ("a", "c"):
+        deltas = [f for f in frames if f["type"] == "generation.delta" and f["id"] == gen_id]
+        assert [d["seq"] for d in deltas] == list(range(len(deltas)))
+        text = "".join(d["chunk"]["choices"][0]["delta"].get("content", "") for d in deltas)
+        assert text == "Hello there, how are you today?"
+        assert deltas[0]["chunk"]["choices"][0]["delta"]["role"] == "assistant"
+    ids = [f["type"] for f in frames if f.get("id") == "a"]
+    assert ids[0] == "generation.started" and ids[-1] == "generation.done"
+    started_b = next(f for f in frames if f["type"] == "generation.started" and f["id"] == "b")
+    assert started_b["request_id"] in fake_engine.aborted
+
+
+async def test_close_aborts_all_and_errors(fake_engine: FakeEngine) -> None:
+    fake_engine.interval = 0.2
+    app = build_app(fake_engine, GatewaySettings())
+    async with serve(app) as url:
+        async with websockets.connect(_ws_url(url), subprotocols=["pagedserve.v1"]) as ws:
+            await _recv(ws)
+            await ws.send("not json")
+            assert (await _recv(ws))["error"]["code"] == "invalid_frame"
+            bad = {**REQUEST, "temperature": -1}
+            await ws.send(json.dumps({"type": "generate", "id": "x", "request": bad}))
+            error = await _recv(ws)
+            assert error["id"] == "x" and error["error"]["param"] == "temperature"
+            for gen_id in ("a", "b", "c"):
+                await ws.send(json.dumps({"type": "generate", "id": gen_id, "request": REQUEST}))
+            await ws.send(json.dumps({"type": "generate", "id": "a", "request": REQUEST}))
+            started = [await _recv(ws) for _ in range(4)]
+            assert any(f.get("error", {}).get("code") == "duplicate_id" for f in started)
+        for _ in range(50):
+            if not app.state.gateway.generations:
+                break
+            await asyncio.sleep(0.02)
+        assert app.state.gateway.generations == {}
+        assert len(set(fake_engine.aborted)) == 3
+
+
+async def test_auth_and_origin(fake_engine: FakeEngine) -> None:
+    settings = GatewaySettings(api_key="k3y", allowed_origins=("http://good.example",))
+    async with serve(build_app(fake_engine, settings)) as url:
+        with pytest.raises(websockets.InvalidStatus):
+            async with websockets.connect(_ws_url(url), subprotocols=["pagedserve.v1"]):
+                pass
+        async with websockets.connect(
+            _ws_url(url), subprotocols=["pagedserve.v1", "bearer.k3y"]
+        ) as ws:
+            assert (await _recv(ws))["type"] == "session.created"
+        async with websockets.connect(
+            _ws_url(url), additional_headers={"Authorization": "Bearer k3y"},
+            origin="http://good.example",
+        ) as ws:
+            assert (await _recv(ws))["type"] == "session.created"
+        with pytest.raises(websockets.InvalidStatus):
+            async with websockets.connect(
+                _ws_url(url), additional_headers={"Authorization": "Bearer k3y"},
+                origin="http://evil.example",
+            ):
+                pass
+
+
+async def test_draining_is_announced(fake_engine: FakeEngine) -> None:
+    app = build_app(fake_engine, GatewaySettings())
+    async with serve(app) as url, websockets.connect(_ws_url(url)) as ws:
+        await _recv(ws)
+        app.state.gateway.begin_drain()
+        assert (await _recv(ws))["type"] == "session.draining"
+        await ws.send(json.dumps({"type": "generate", "id": "a", "request": REQUEST}))
+        assert (await _recv(ws))["error"]["code"] == "server_draining"
+
+
+def _delta(gen_id: str, text: str) -> dict:
+    chunk = {"choices": [{"index": 0, "delta": {"content": text}, "logprobs": None,
+                          "finish_reason": None}]}
+    return {"type": "generation.delta", "id": gen_id, "chunk": chunk}
+
+
+async def test_outbox_coalesces_then_overflows() -> None:
+    box = Outbox(max_frames=4, max_chars=50)
+    for i in range(10):
+        box.push(_delta("a", str(i)))
+        box.push(_delta("b", "x"))
+    assert len(box) == 2 and not box.overflowed  # one merged delta per id
+    first = await box.pop()
+    assert first["chunk"]["choices"][0]["delta"]["content"] == "0123456789"
+    box.push({"type": "generation.done", "id": "a"})
+    box.push(_delta("a", "new"))  # nothing merges past a done frame
+    assert len(box) == 3
+    box.push(_delta("c", "y" * 60))
+    assert box.overflowed and await box.pop() is None
