@@ -1,1 +1,14 @@
 """Engine process: scheduler, paged KV cache, model runner, sampler; `LLM` runs it in-process."""
+
+from ipc.sampling import SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # NOTE: lazy, so `python -m engine` and light imports (engine.request) skip torch model code.
+    if name in ("LLM", "RequestOutput"):
+        from engine import llm
+
+        return getattr(llm, name)
+    raise AttributeError(name)

@@ -220,7 +220,13 @@ class EngineLoop:
         self._outputs.put(msg)
 
     def _input_thread(self) -> None:
+        # NOTE: EngineReady is repeated every heartbeat interval so that a gateway that
+        # (re)starts after us, with this engine run by someone else, still finds it.
+        ready, next_announce = ready_message(self._core, self._incarnation), 0.0
         while not self._stop_input.is_set():
+            if time.monotonic() >= next_announce:
+                self._sockets.send_handshake(ready)
+                next_announce = time.monotonic() + self._opts.heartbeat_interval
             msg = self._sockets.recv_input(_IO_POLL_MS)
             if msg is not None:
                 self._inputs.put(msg)
@@ -251,7 +257,6 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str, incarnat
                                        incarnation=incarnation))
         sockets.close()
         return 1
-    sockets.send_handshake(ready_message(core, incarnation))
     loop = EngineLoop(core, sockets, incarnation, options)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,170 @@
+"""EngineCore: requests in, token deltas out; `step()` is schedule -> execute -> update.
+
+It touches no sockets: the engine process (IO threads) and `LLM` (in-process) both drive it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+
+from engine.kv_manager import KVCacheManager
+from engine.models.loader import load_model
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import tokenizer_dir
+from ipc.config import EngineConfig
+from ipc.messages import AddRequest, EngineStats, TokenDelta
+from ipc.model_source import resolve_model
+from kernels import get_backend
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = _device(config.device)
+        self.dtype = _dtype(config.dtype, self.device)
+        source = resolve_model(config.model, config.served_model_name)
+        self.model_name = source.name
+        self.tokenizer_dir = str(tokenizer_dir(source, config.tokenizer))
+        model, self.model_config = load_model(source, self.dtype, self.device)
+        self.max_model_len = _max_model_len(config, self.model_config.max_position_embeddings)
+        self.block_size = config.block_size
+        self.num_gpu_blocks = self._num_blocks(model)
+        self.eos_token_ids = list(self.model_config.eos_token_ids)
+        self.kv = KVCacheManager(self.num_gpu_blocks, self.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.kv,
+            self.eos_token_ids,
+        )
+        sampler = Sampler(self.eos_token_ids, config.seed, self.device)
+        self.runner = ModelRunner(
+            model, self.num_gpu_blocks, self.block_size, self.max_model_len, sampler,
+            get_backend(config.attention_backend), self.device, self.dtype,
+        )
+        self.step_count = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(self, msg: AddRequest) -> None:
+        """Queue a request; bad input raises ValueError and leaves the engine as it was."""
+        request = self._validate(msg)
+        self.scheduler.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[TokenDelta]:
+        """Idempotent; returns one terminal 'abort' delta per request that was still live."""
+        return self.scheduler.abort(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[TokenDelta]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        self.step_count += 1
+        sampled = self.runner.execute(out)
+        self._count(out)
+        return self.scheduler.update(out, sampled)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            step=self.step_count,
+            num_running=len(self.scheduler.running),
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_total=self.num_gpu_blocks,
+            kv_blocks_free=self.kv.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _count(self, out) -> None:
+        for req, n in out.scheduled:
+            self._prompt_tokens += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
+        self._generation_tokens += len(out.sampling)
+
+    def _validate(self, msg: AddRequest) -> Request:
+        prompt, s = msg.prompt_token_ids, msg.sampling
+        if msg.request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {msg.request_id!r} is already in use")
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; the context length is {self.max_model_len} "
+                "(prompt plus at least one output token)"
+            )
+        max_tokens = self.max_model_len - len(prompt) if s.max_tokens is None else s.max_tokens
+        if len(prompt) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"context length {self.max_model_len}"
+            )
+        if self.kv.blocks_needed(len(prompt) + max_tokens) > self.num_gpu_blocks:
+            raise ValueError(
+                f"prompt plus max_tokens needs {self.kv.blocks_needed(len(prompt) + max_tokens)} "
+                f"KV blocks; the pool has {self.num_gpu_blocks}"
+            )
+        if s.logprobs is not None and s.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}")
+        if any(t >= vocab for t in s.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < {vocab}")
+        gen = None
+        if s.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(s.seed)
+        return Request(msg.request_id, list(prompt), s, max_tokens, msg.priority,
+                       msg.arrival_time or time.time(), gen)
+
+    def _num_blocks(self, model: torch.nn.Module) -> int:
+        if self.config.num_gpu_blocks is not None:
+            return self.config.num_gpu_blocks
+        per_block = self.block_size * self.model_config.kv_bytes_per_token * self.dtype.itemsize
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+            budget *= 0.9  # NOTE: headroom for activations, which we do not profile yet
+        else:
+            budget = self.config.kv_cache_space * 2**30
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise ValueError("no memory left for the KV cache: raise the memory budget")
+        return blocks
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # NOTE: the CPU here has no bf16 matrix units: float32 is the fast dtype on CPU.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _max_model_len(config: EngineConfig, model_max: int) -> int:
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's {model_max} positions")
+    return config.max_model_len

@@ -1,0 +1,1 @@
+"""Model definitions written here (Llama family) and their weight loaders."""

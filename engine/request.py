@@ -1,0 +1,92 @@
+"""A request's state inside the engine: tokens, progress, blocks and how it finished."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from ipc.messages import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+from ipc.sampling import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything after PREEMPTED is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FINISH_STOP,
+    RequestStatus.FINISHED_LENGTH: FINISH_LENGTH,
+    RequestStatus.FINISHED_ABORTED: FINISH_ABORT,
+    RequestStatus.FINISHED_ERROR: FINISH_ERROR,
+}
+
+_arrival_counter = itertools.count()
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        max_tokens: int,
+        priority: int = 0,
+        arrival_time: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling = sampling
+        self.max_tokens = max_tokens  # resolved: never None here
+        self.priority = priority
+        self.arrival_time = arrival_time
+        self.generator = generator  # set when the request has its own seed
+        self.status = RequestStatus.WAITING
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self._all_token_ids = list(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_ids: list[int] = []  # the block table
+        self.stop_reason: int | None = None
+        self.num_preemptions = 0
+        # priority first, then arrival; the counter breaks ties in submission order
+        self.sort_key = (priority, arrival_time, next(_arrival_counter))
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int) -> None:
+        self._all_token_ids.append(token_id)

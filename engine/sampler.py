@@ -1,0 +1,143 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+One pass over a [num_requests, vocab] logits tensor; only seeded rows draw their noise one by
+one (from the request's own generator), so a seed gives the same tokens in any batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+from ipc.messages import PositionLogprobs, TokenLogprob
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per sampled request
+    logprobs: list[PositionLogprobs | None]  # per request, when it asked for logprobs
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Sequence[int], seed: int, device: torch.device) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """logits: [len(requests), vocab] float32 -> one token per request."""
+        raw = logits
+        logits = self._apply_penalties(logits, requests)
+        logits = self._apply_min_tokens(logits, requests)
+        token_ids = self._sample(logits, requests)
+        logprobs = self._logprobs(raw, token_ids, requests)
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    # ---- logits processing -----------------------------------------------------------------
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests) if _has_penalty(r)]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in rows:  # NOTE: rare path; per-row bincount keeps memory at O(vocab)
+            s = requests[i].sampling
+            out = torch.tensor(requests[i].output_token_ids, dtype=torch.long, device=self.device)
+            counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+            row = logits[i]
+            if s.repetition_penalty != 1.0:
+                seen = counts > 0
+                prompt = torch.tensor(requests[i].prompt_token_ids, device=self.device)
+                seen[prompt] = True
+                penalized = torch.where(row > 0, row / s.repetition_penalty,
+                                        row * s.repetition_penalty)
+                row = torch.where(seen, penalized, row)
+            row = row - s.frequency_penalty * counts - s.presence_penalty * (counts > 0)
+            logits[i] = row
+        return logits
+
+    def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests) if r.num_output_tokens < r.sampling.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            s = requests[i].sampling
+            banned = list(s.stop_token_ids) + ([] if s.ignore_eos else self.eos_token_ids)
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
+
+    # ---- sampling ------------------------------------------------------------------------
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling.greedy]
+        if not random_rows:
+            return greedy
+        idx = torch.tensor(random_rows, device=self.device)
+        sub = [requests[i].sampling for i in random_rows]
+        temps = torch.tensor([s.temperature for s in sub], device=self.device)
+        x = logits[idx] / temps[:, None]
+        x = _top_k_top_p(x, [s.top_k for s in sub], [s.top_p for s in sub])
+        probs = x.softmax(dim=-1)
+        min_p = [s.min_p for s in sub]
+        if any(min_p):
+            floor = torch.tensor(min_p, device=self.device)[:, None] * probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        # NOTE: argmax(p / q) with q ~ Exp(1) draws exactly from p (the exponential race).
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, i in enumerate(random_rows):
+            gen = requests[i].generator
+            if gen is not None:
+                q[row].exponential_(generator=gen)
+        greedy[idx] = (probs / q).argmax(dim=-1)
+        return greedy
+
+    def _logprobs(
+        self, raw: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]
+    ) -> list[PositionLogprobs | None]:
+        wanted = [r.sampling.logprobs for r in requests]
+        if all(n is None for n in wanted):
+            return [None] * len(requests)
+        # NOTE: logprobs of the model's own distribution, before penalties and temperature.
+        lp = raw.log_softmax(dim=-1)
+        chosen = lp.gather(1, token_ids[:, None])[:, 0]
+        ranks = (lp > chosen[:, None]).sum(-1) + 1
+        k = max(n or 0 for n in wanted)
+        top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+        out: list[PositionLogprobs | None] = []
+        for i, n in enumerate(wanted):
+            if n is None:
+                out.append(None)
+                continue
+            top = [TokenLogprob(int(t), float(v)) for t, v in
+                   zip(top_i[i, :n].tolist(), top_v[i, :n].tolist(), strict=True)] if n else []
+            out.append(PositionLogprobs(int(token_ids[i]), float(chosen[i]), int(ranks[i]), top))
+        return out
+
+
+def _has_penalty(r: Request) -> bool:
+    s = r.sampling
+    return bool(s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty)
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside each row's top-k and top-p nucleus."""
+    vocab = x.shape[1]
+    ks = [k if k > 0 else vocab for k in top_k]
+    if all(k >= vocab for k in ks) and all(p >= 1.0 for p in top_p):
+        return x
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    positions = torch.arange(vocab, device=x.device)[None, :]
+    drop = positions >= torch.tensor(ks, device=x.device)[:, None]
+    if any(p < 1.0 for p in top_p):
+        probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+        drop |= before >= torch.tensor(top_p, device=x.device)[:, None]
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
