@@ -254,14 +254,11 @@ class EngineClient:
         assert self._sockets is not None
         while True:
             identity, ready = await self._sockets.recv_handshake()
-            if ready.incarnation in self._dead or (
-                self.spawn and ready.incarnation != self._incarnation
-            ):
-                log.warning("ignoring EngineReady from stale engine %s", ready.incarnation)
+            # NOTE: engines repeat EngineReady about once a second; only a new one counts.
+            if self.ready or ready.incarnation in self._dead:
                 continue
-            if not self.spawn and self.ready:
-                log.warning("ignoring a second engine %s (one is attached)", ready.incarnation)
-                continue
+            if self.spawn and ready.incarnation != self._incarnation:
+                continue  # an engine we did not start, or an old one of ours
             self._on_ready(identity, ready)
 
     def _on_ready(self, identity: bytes, ready: EngineReady) -> None:

@@ -255,3 +255,29 @@ async def test_engine_exits_when_the_gateway_is_killed() -> None:
             break
         await asyncio.sleep(0.05)
     assert _exited(engine_pid)
+
+
+async def test_a_restarted_gateway_finds_a_running_external_engine() -> None:
+    first = _client(spawn=False, input_addr="tcp://127.0.0.1:*", output_addr="tcp://127.0.0.1:*")
+    starting = asyncio.create_task(first.start())
+    await asyncio.sleep(0.05)
+    addrs = (first.input_addr, first.output_addr)
+    engine = await asyncio.create_subprocess_exec(
+        *FAKE_ENGINE, "--input-addr", addrs[0], "--output-addr", addrs[1],
+        "--heartbeat-interval", "0.2")
+    try:
+        await asyncio.wait_for(starting, 20)
+        assert (await _collect(first.submit(_add("a"))))[-1].finish_reason == "length"
+        await first.close(timeout=0)  # spawn=False: the engine is not ours to stop
+        assert engine.returncode is None
+
+        second = _client(spawn=False, input_addr=addrs[0], output_addr=addrs[1])
+        await second.start()
+        try:
+            assert second.info is not None and second.info.incarnation == first.info.incarnation
+            assert (await _collect(second.submit(_add("b"))))[-1].finish_reason == "length"
+        finally:
+            await second.close(timeout=0)
+    finally:
+        engine.terminate()
+        assert await asyncio.wait_for(engine.wait(), 10) == 0
