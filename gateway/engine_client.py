@@ -182,7 +182,7 @@ class EngineClient:
         self._closing = True
         self._ready.clear()
         if self._first_ready is not None and not self._first_ready.done():
-            self._first_ready.cancel()
+            self._first_ready.set_exception(EngineUnavailableError("closed before ready"))
         proc = self._proc
         if proc is not None and proc.returncode is None:
             if self._identity is not None:
@@ -255,7 +255,7 @@ class EngineClient:
         while True:
             identity, ready = await self._sockets.recv_handshake()
             # NOTE: engines repeat EngineReady about once a second; only a new one counts.
-            if self.ready or ready.incarnation in self._dead:
+            if self.ready or self._closing or ready.incarnation in self._dead:
                 continue
             if self.spawn and ready.incarnation != self._incarnation:
                 continue  # an engine we did not start, or an old one of ours
