@@ -1,0 +1,78 @@
+"""The import direction of DESIGN.md: ipc <- gateway, ipc + kernels <- engine; no torch in the
+gateway; and transformers keeps working although our `kernels` package shadows a PyPI name."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+THIRD_PARTY_OF = {
+    "ipc": {"msgspec", "zmq"},
+    "kernels": {"torch", "triton", "flash_attn", "numpy"},
+}
+FORBIDDEN = {
+    "ipc": {"gateway", "engine", "kernels", "torch", "transformers"},
+    "gateway": {"engine", "kernels", "torch", "transformers"},
+    "engine": {"gateway"},
+    "kernels": {"gateway", "engine", "ipc"},
+}
+
+
+def imported_roots(package: str) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name.split(".")[0], set()).add(path.name)
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_forbidden_imports(package):
+    roots = imported_roots(package)
+    bad = {name: sorted(files) for name, files in roots.items() if name in FORBIDDEN[package]}
+    assert not bad, f"{package} imports {bad}"
+
+
+@pytest.mark.parametrize("package", sorted(THIRD_PARTY_OF))
+def test_only_allowed_third_party(package):
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    allowed = stdlib | THIRD_PARTY_OF[package] | {package}
+    roots = imported_roots(package)
+    bad = {name: sorted(files) for name, files in roots.items() if name not in allowed}
+    assert not bad, f"{package} imports {bad}"
+
+
+def test_gateway_and_ipc_load_without_torch():
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import gateway, ipc\n"
+        "for pkg in (gateway, ipc):\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        importlib.import_module(m.name)\n"
+        "bad = [m for m in ('torch', 'transformers', 'engine', 'kernels') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_transformers_still_loads_models_next_to_our_kernels_package(tiny_model_dir):
+    code = (
+        "import kernels, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tiny_model_dir)!r})\n"
+        "out = m(torch.tensor([[1, 2, 3]])).logits\n"
+        "assert out.shape[-1] == 49152\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
