@@ -183,6 +183,7 @@ class EngineClient:
         self._ready.clear()
         if self._first_ready is not None and not self._first_ready.done():
             self._first_ready.set_exception(EngineUnavailableError("closed before ready"))
+            self._first_ready.exception()  # NOTE: marks it retrieved if start() was cancelled
         proc = self._proc
         if proc is not None and proc.returncode is None:
             if self._identity is not None:
