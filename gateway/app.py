@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -163,6 +164,13 @@ class Handlers:
         return Response(self.gw.metrics.render(), media_type=CONTENT_TYPE)
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 in the API's error shape."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return ApiError(exc.status_code, str(exc.detail), code).response()
+
+
 def _json(payload: object, headers: dict[str, str] | None = None) -> Response:
     return Response(msgspec.json.encode(payload), headers=headers, media_type="application/json")
 
@@ -189,6 +197,7 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
                    expose_headers=["X-Request-Id", "Retry-After"]),
         Middleware(ApiKeyMiddleware, api_key=gw.settings.api_key),
     ]
-    app = Starlette(routes=routes, middleware=middleware)
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={HTTPException: _http_error})
     app.state.gateway = gw
     return app

@@ -165,6 +165,8 @@ async def test_api_key_and_health(fake_engine: FakeEngine) -> None:
         assert (await http.get("/health")).status_code == 200
         assert (await http.get("/livez")).status_code == 200
         assert (await http.get("/version")).json()["model"] == "test-model"
+        missing = await http.get("/nope")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
 
 async def test_metrics_names(fake_engine: FakeEngine) -> None:
