@@ -59,6 +59,10 @@ class Tokenizer:
         self._template = _environment().from_string(source) if source else None
 
     @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
     def has_chat_template(self) -> bool:
         return self._template is not None
 
