@@ -2,12 +2,12 @@
 
 from ipc.sampling import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):
     # NOTE: lazy, so `python -m engine` and light imports (engine.request) skip torch model code.
-    if name in ("LLM", "RequestOutput"):
+    if name in ("LLM", "CompletionOutput", "RequestOutput"):
         from engine import llm
 
         return getattr(llm, name)

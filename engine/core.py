@@ -12,6 +12,7 @@ import torch
 
 from engine.kv_manager import KVCacheManager
 from engine.models.loader import load_model
+from engine.preemption import PreemptionCost
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
@@ -40,17 +41,25 @@ class EngineCore:
         self.block_size = config.block_size
         self.num_gpu_blocks = self._num_blocks(model)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
-        self.kv = KVCacheManager(self.num_gpu_blocks, self.block_size)
+        block_bytes = self.block_size * self.model_config.kv_bytes_per_token * self.dtype.itemsize
+        self.num_cpu_blocks = int(config.swap_space * 2**30 // block_bytes)
+        self.kv = KVCacheManager(self.num_gpu_blocks, self.block_size,
+                                 config.enable_prefix_caching, self.num_cpu_blocks)
+        params = sum(p.numel() for p in model.parameters())
+        preemption = PreemptionCost(block_bytes, 2.0 * params, self.device.type,
+                                    config.preemption_mode)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             self.kv,
             self.eos_token_ids,
+            preemption,
         )
         sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.runner = ModelRunner(
             model, self.num_gpu_blocks, self.block_size, self.max_model_len, sampler,
-            get_backend(config.attention_backend), self.device, self.dtype,
+            get_backend(config.attention_backend), self.device, self.dtype, self.num_cpu_blocks,
         )
+        self.block_bytes = block_bytes
         self.step_count = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -63,15 +72,19 @@ class EngineCore:
         self.scheduler.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[TokenDelta]:
-        """Idempotent; returns one terminal 'abort' delta per request that was still live."""
+        """Idempotent; one terminal 'abort' delta per choice of each request still live."""
         return self.scheduler.abort(request_ids)
+
+    def abort_choice(self, request_id: str, index: int) -> list[TokenDelta]:
+        """Stop one choice of an n > 1 request (it matched a stop string); idempotent."""
+        return self.scheduler.abort([request_id], index)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[TokenDelta]:
         out = self.scheduler.schedule()
-        if out.empty:
+        if out.empty and not out.block_copies:
             return []
         self.step_count += 1
         sampled = self.runner.execute(out)
@@ -79,15 +92,25 @@ class EngineCore:
         return self.scheduler.update(out, sampled)
 
     def stats(self) -> EngineStats:
+        p = self.scheduler.preemptions
         return EngineStats(
             step=self.step_count,
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
             kv_blocks_total=self.num_gpu_blocks,
             kv_blocks_free=self.kv.num_free_blocks,
+            num_swapped=len(self.scheduler.swapped),
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions_swap=p.swap,
+            num_preemptions_recompute=p.recompute,
+            swap_out_bytes=p.swap_out_blocks * self.block_bytes,
+            swap_in_bytes=p.swap_in_blocks * self.block_bytes,
+            kv_cpu_blocks_total=self.num_cpu_blocks,
+            kv_cpu_blocks_free=self.kv.num_free_cpu_blocks,
         )
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -99,7 +122,7 @@ class EngineCore:
 
     def _validate(self, msg: AddRequest) -> Request:
         prompt, s = msg.prompt_token_ids, msg.sampling
-        if msg.request_id in self.scheduler.requests:
+        if msg.request_id in self.scheduler.groups:
             raise ValueError(f"request_id {msg.request_id!r} is already in use")
         if not prompt:
             raise ValueError("prompt must not be empty")
@@ -126,11 +149,20 @@ class EngineCore:
             raise ValueError(f"logprobs must be <= {self.config.max_logprobs}")
         if any(t >= vocab for t in s.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < {vocab}")
-        gen = None
-        if s.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(s.seed)
-        return Request(msg.request_id, list(prompt), s, max_tokens, msg.priority,
-                       msg.arrival_time or time.time(), gen)
+        choices = [
+            Request(msg.request_id, list(prompt), s, max_tokens, msg.priority,
+                    msg.arrival_time or time.time(), self._generator(s.seed, i),
+                    (msg.cache_salt or "").encode(), index=i)
+            for i in range(s.num_choices)
+        ]
+        choices[0].children = choices[1:]
+        return choices[0]
+
+    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
+        """Choice i of a seeded request samples with seed + i (its own stream)."""
+        if seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(seed + index)
 
     def _num_blocks(self, model: torch.nn.Module) -> int:
         if self.config.num_gpu_blocks is not None:

@@ -1,4 +1,4 @@
-"""`pagedserve generate "..."`: answer prompts in-process on a model (the bundled one by default)."""
+"""`pagedserve generate "..."`: answer prompts in-process (the bundled model by default)."""
 
 from __future__ import annotations
 

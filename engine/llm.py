@@ -17,16 +17,48 @@ Prompt = str | dict
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One choice of a request."""
+
+    index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # per output token: {token_id: logprob} with the sampled token and the top-n alternatives
     logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None  # with best_of: what the choices are ranked by
+
+
+@dataclass
+class RequestOutput:
+    """The result for one prompt; `.text`, `.token_ids`, ... are those of the first choice."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
 
 
 class LLM:
@@ -48,13 +80,13 @@ class LLM:
         if not prompt_list:
             raise ValueError("prompts must not be empty")
         params = _broadcast(sampling_params, len(prompt_list))
-        trackers = [self._tracker(p, s) for p, s in zip(prompt_list, params, strict=True)]
-        self._submit(trackers)
-        live = {t.output.request_id: t for t in trackers}
+        results = [self._result(p, s) for p, s in zip(prompt_list, params, strict=True)]
+        self._submit(results, params)
+        live = {(c.output.request_id, c.choice.index): c for r in results for c in r.trackers}
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
                 self._on_delta(live, delta)
-        return [t.output for t in trackers]
+        return [r.finish() for r in results]
 
     def chat(
         self,
@@ -72,51 +104,75 @@ class LLM:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _tracker(self, prompt: Prompt, params: SamplingParams) -> _Tracker:
+    def _result(self, prompt: Prompt, params: SamplingParams) -> _Result:
         text, ids = _prompt_ids(prompt, self.tokenizer)
-        out = RequestOutput(str(next(self._ids)), text, ids)
-        if params.logprobs is not None:
-            out.logprobs = []
-        return _Tracker(out, params, self.tokenizer)
+        out = RequestOutput(str(next(self._ids)), text, ids, [])
+        return _Result(out, params, self.tokenizer)
 
-    def _submit(self, trackers: list[_Tracker]) -> None:
+    def _submit(self, results: list[_Result], params: list[SamplingParams]) -> None:
         added: list[str] = []
         try:
-            for t in trackers:
+            for r, p in zip(results, params, strict=True):
                 self.engine.add_request(AddRequest(
-                    request_id=t.output.request_id,
-                    prompt_token_ids=t.output.prompt_token_ids,
-                    sampling=t.params,
+                    request_id=r.output.request_id,
+                    prompt_token_ids=r.output.prompt_token_ids,
+                    sampling=p,
                 ))
-                added.append(t.output.request_id)
+                added.append(r.output.request_id)
         except ValueError:
             self.engine.abort_requests(added)
             raise
 
-    def _on_delta(self, live: dict[str, _Tracker], delta: TokenDelta) -> None:
-        tracker = live.get(delta.request_id)
-        if tracker is None:
-            return  # a request this call already finished (stopped on a string)
-        if tracker.add(delta):
-            del live[delta.request_id]
-            if not delta.finished:  # stopped on a string: the engine still holds it
-                self.engine.abort_requests([delta.request_id])
+    def _on_delta(self, live: dict[tuple[str, int], _Choice], delta: TokenDelta) -> None:
+        key = (delta.request_id, delta.index)
+        choice = live.get(key)
+        if choice is None:
+            return  # a choice this call already finished (stopped on a string)
+        if choice.add(delta):
+            del live[key]
+            if not delta.finished:  # stopped on a string: the engine still runs it
+                self.engine.abort_choice(delta.request_id, delta.index)
 
 
-class _Tracker:
-    """Turns one request's deltas into text, applying stop strings."""
+class _Result:
+    """Collects the choices of one request; best_of keeps the n most likely at the end."""
 
     def __init__(self, output: RequestOutput, params: SamplingParams, tokenizer) -> None:
         self.output = output
+        self.params = params
+        self.trackers = [_Choice(output, i, params, tokenizer) for i in range(params.num_choices)]
+
+    def finish(self) -> RequestOutput:
+        choices = [t.choice for t in self.trackers]
+        if self.params.best_of:
+            choices.sort(key=lambda c: -(c.cumulative_logprob or 0.0))
+            choices = choices[: self.params.n]
+            for i, c in enumerate(choices):
+                c.index = i
+        self.output.outputs = choices
+        return self.output
+
+
+class _Choice:
+    """Turns one choice's deltas into text, applying stop strings."""
+
+    def __init__(self, output: RequestOutput, index: int, params: SamplingParams,
+                 tokenizer) -> None:
+        self.output = output
+        self.choice = CompletionOutput(index)
+        if params.logprobs is not None:
+            self.choice.logprobs = []
         self.params = params
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.stops = StopMatcher(params.stop, params.include_stop_str_in_output)
 
     def add(self, delta: TokenDelta) -> bool:
-        """Consume a delta; True when the request is finished."""
-        out = self.output
+        """Consume a delta; True when the choice is finished."""
+        out = self.choice
+        self.output.num_cached_tokens = delta.num_cached_tokens
         tokens = delta.new_token_ids
         out.token_ids.extend(tokens)
+        out.cumulative_logprob = delta.cumulative_logprob
         if delta.logprobs is not None and out.logprobs is not None:
             out.logprobs.extend(
                 {p.token_id: p.logprob, **{t.token_id: t.logprob for t in p.top}}

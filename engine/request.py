@@ -47,6 +47,8 @@ class Request:
         priority: int = 0,
         arrival_time: float = 0.0,
         generator: torch.Generator | None = None,
+        cache_salt: bytes = b"",
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
         self.sampling = sampling
@@ -57,8 +59,16 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(prompt_token_ids)
         self._all_token_ids = list(prompt_token_ids)
+        self.index = index  # which of the request's n choices this is
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_ids: list[int] = []  # the block table
+        self.cpu_block_ids: list[int] = []  # where the blocks are while swapped out
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks so far
+        self.num_registered_blocks = 0  # leading blocks registered in the prefix cache
+        self.cache_salt = cache_salt  # extra key: only requests with the same salt share blocks
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        self.cumulative_logprob = 0.0  # sum of the sampled tokens' logprobs (best_of, beams)
+        self.children: list[Request] = []  # the other n - 1 choices, forked after the prompt
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         # priority first, then arrival; the counter breaks ties in submission order
@@ -83,6 +93,14 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self._all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def swapped(self) -> bool:
+        return bool(self.cpu_block_ids)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request_id, self.index)
 
     @property
     def finish_reason(self) -> str | None:

@@ -27,6 +27,7 @@ class ModelRunner:
         backend: ModuleType,
         device: torch.device,
         kv_dtype: torch.dtype,
+        num_cpu_blocks: int = 0,
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -42,10 +43,28 @@ class ModelRunner:
              torch.zeros(shape, dtype=kv_dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
+        # The swap pool: host memory (pinned on a GPU machine so copies can overlap).
+        # NOTE: empty, not zeros: a CPU block is only read after a swap-out wrote it, and
+        # untouched pages of an empty tensor cost no memory.
+        pin = device.type == "cuda"
+        self.cpu_caches = [
+            (torch.empty((num_cpu_blocks, *shape[1:]), dtype=kv_dtype, pin_memory=pin),
+             torch.empty((num_cpu_blocks, *shape[1:]), dtype=kv_dtype, pin_memory=pin))
+            for _ in range(cfg.num_layers if num_cpu_blocks else 0)
+        ]
         model.init_rope(max_model_len, device)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers, K and V."""
+        k = self.kv_caches[0][0]
+        return 2 * len(self.kv_caches) * k[0].numel() * k.element_size()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SamplerOutput | None:
+        self._copy_blocks(out.block_copies)
+        if out.empty:
+            return None
         input_ids, positions, meta, logits_indices = self._prepare(out)
         ctx = ForwardContext(meta, self.kv_caches, self.backend)
         with forward_context(ctx):
@@ -54,6 +73,29 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[logits_indices])
         return self.sampler(logits, out.sampling)
+
+    def _copy_blocks(self, copies: list[tuple[str, int, int]]) -> None:
+        """Run swap-out, swap-in and copy-on-write copies in the order they were decided."""
+        start = 0
+        while start < len(copies):
+            kind = copies[start][0]
+            end = start
+            while end < len(copies) and copies[end][0] == kind:
+                end += 1
+            # NOTE: within a run of one kind no copy reads another's destination, so a run
+            # can go as one indexed copy per layer.
+            src = torch.tensor([c[1] for c in copies[start:end]])
+            dst = torch.tensor([c[2] for c in copies[start:end]])
+            pools = {
+                "gpu_to_gpu": (self.kv_caches, self.kv_caches),
+                "gpu_to_cpu": (self.kv_caches, self.cpu_caches),
+                "cpu_to_gpu": (self.cpu_caches, self.kv_caches),
+            }[kind]
+            for (src_k, src_v), (dst_k, dst_v) in zip(*pools, strict=True):
+                for src_cache, dst_cache in ((src_k, dst_k), (src_v, dst_v)):
+                    rows = src_cache[src.to(src_cache.device)]
+                    dst_cache[dst.to(dst_cache.device)] = rows.to(dst_cache.device)
+            start = end
 
     def _prepare(self, out: SchedulerOutput):
         reqs = [r for r, _ in out.scheduled]
@@ -79,8 +121,8 @@ class ModelRunner:
                  + positions % self.block_size)
 
         num_decodes = int(np.count_nonzero(query_lens == 1))
-        sampling = {id(r) for r in out.sampling}
-        logits_indices = [int(qsl[i + 1]) - 1 for i, r in enumerate(reqs) if id(r) in sampling]
+        last_token = {id(r): int(qsl[i + 1]) - 1 for i, r in enumerate(reqs)}
+        logits_indices = [last_token[id(r)] for r in out.sampling_rows]
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.from_numpy(qsl).to(dev, torch.int32),

@@ -101,7 +101,9 @@ class Sampler:
     def _logprobs(
         self, raw: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]
     ) -> list[PositionLogprobs | None]:
-        wanted = [r.sampling.logprobs for r in requests]
+        # NOTE: best_of ranks choices by their summed logprobs, so it needs the sampled one.
+        wanted = [0 if r.sampling.logprobs is None and r.sampling.best_of else r.sampling.logprobs
+                  for r in requests]
         if all(n is None for n in wanted):
             return [None] * len(requests)
         # NOTE: logprobs of the model's own distribution, before penalties and temperature.

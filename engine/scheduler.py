@@ -1,6 +1,6 @@
 """Continuous batching by token budget: every request catches its computed tokens up to its
-tokens, so chunked prefill and decode are one rule. Preemption (by recompute) is what happens
-when the KV manager cannot make room.
+tokens, so chunked prefill, prefix-cache hits and decode are one rule. Preemption (swap or
+recompute) is what happens when the KV manager cannot make room.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.kv_manager import KVCacheManager
+from engine.preemption import SWAP, PreemptionCost
 from engine.request import Request, RequestStatus
 from engine.sampler import SamplerOutput
 from ipc.messages import TokenDelta
@@ -29,8 +30,14 @@ class SchedulerOutput:
 
     # (request, number of new tokens to compute), requests with one new token first
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    # requests whose last scheduled token completes them: the runner samples one token for each
+    # requests that sample one token this step: those whose scheduled tokens complete them,
+    # each followed by the choices forked from it (which sample from the same logits)
     sampling: list[Request] = field(default_factory=list)
+    # for each entry of `sampling`, the scheduled request whose last hidden state it samples
+    sampling_rows: list[Request] = field(default_factory=list)
+    # block copies to run before the forward, in order: (kind, src, dst) with kind one of
+    # "gpu_to_cpu" (swap out), "cpu_to_gpu" (swap in), "gpu_to_gpu" (copy-on-write)
+    block_copies: list[tuple[str, int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -42,17 +49,31 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class PreemptionStats:
+    swap: int = 0
+    recompute: int = 0
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+
+
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: Sequence[int]
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        eos_token_ids: Sequence[int],
+        preemption: PreemptionCost | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.preemption = preemption or PreemptionCost(0, 0.0, "cpu", "recompute")
         self.running: list[Request] = []  # sorted by sort_key
+        self.swapped: list[Request] = []  # sorted by sort_key; they return before admissions
         self._waiting: list[tuple[tuple, Request]] = []  # heap by sort_key
-        self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0
+        self.groups: dict[str, list[Request]] = {}  # request id -> its live choices
+        self.preemptions = PreemptionStats()
 
     # ---- queue ---------------------------------------------------------------------------
 
@@ -60,21 +81,27 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemptions.swap + self.preemptions.recompute
+
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.groups)
 
     def add(self, request: Request) -> None:
-        self.requests[request.request_id] = request
+        """Queue a request; its other choices (request.children) fork after its prompt."""
+        self.groups[request.request_id] = [request, *request.children]
         heapq.heappush(self._waiting, (request.sort_key, request))
 
-    def abort(self, request_ids: Iterable[str]) -> list[TokenDelta]:
-        """Finish live requests as aborted, freeing their blocks now; unknown ids are ignored."""
+    def abort(self, request_ids: Iterable[str], index: int | None = None) -> list[TokenDelta]:
+        """Finish live requests (all their choices, or only choice `index`) as aborted, freeing
+        their blocks now; unknown ids are ignored."""
         deltas = []
         for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is not None:
-                self._finish(req, RequestStatus.FINISHED_ABORTED)
-                deltas.append(_delta(req, []))
+            for req in list(self.groups.get(rid, ())):
+                if index is None or req.index == index:
+                    self._finish(req, RequestStatus.FINISHED_ABORTED)
+                    deltas.append(_delta(req, []))
         return deltas
 
     # ---- schedule --------------------------------------------------------------------------
@@ -83,9 +110,12 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            budget = self._swap_in(out, budget)
+            if not self.swapped:
+                self._admit_waiting(out, budget)
         out.scheduled.sort(key=lambda item: item[1] != 1)  # one-token queries first
-        out.sampling = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        self._plan_sampling(out)
+        out.block_copies = self.kv.take_pending_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -109,49 +139,105 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._waiting[0][1]
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, n):
+            blocks = len(req.cpu_block_ids)
+            if self.kv.blocks_needed(req.num_computed_tokens + n) > self.kv.num_free_blocks:
+                break
+            assert self.kv.swap_in(req)
+            assert self.kv.allocate_slots(req, n)
+            self.preemptions.swap_in_blocks += blocks
+            self.swapped.pop(0)
+            self._start(req, n, out)
+            budget -= n
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self._waiting and budget > 0:
+            req = self._waiting[0][1]
+            width = 1 + len(req.children)  # forked choices will run too
+            if len(self.running) + width > self.config.max_num_seqs and self.running:
+                break
+            cached = self.kv.find_cached_prefix(req)
+            num_cached = len(cached) * self.kv.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, n, cached):
                 break
             heapq.heappop(self._waiting)
-            req.status = RequestStatus.RUNNING
-            self._insert_running(req)
-            out.scheduled.append((req, n))
+            self.kv.record_prefix_query(req.num_tokens, num_cached)
+            req.num_computed_tokens = num_cached
+            if req.num_output_tokens == 0:
+                req.num_cached_tokens = num_cached
+            self._start(req, n, out)
             budget -= n
 
-    def _insert_running(self, req: Request) -> None:
+    def _start(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=lambda r: r.sort_key)
+        out.scheduled.append((req, n))
+
+    def _plan_sampling(self, out: SchedulerOutput) -> None:
+        for req, n in out.scheduled:
+            if req.num_computed_tokens + n != req.num_tokens:
+                continue  # a prefill chunk that does not reach the end yet
+            out.sampling.append(req)
+            out.sampling_rows.append(req)
+            for child in req.children:  # n > 1: the choices fork from the finished prompt
+                out.sampling.append(child)
+                out.sampling_rows.append(req)
 
     def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        choice = self.preemption.choose(
+            len(req.block_ids), req.num_computed_tokens, self.kv.can_swap_out(req))
+        if choice == SWAP:
+            self.preemptions.swap += 1
+            self.preemptions.swap_out_blocks += len(req.block_ids)
+            self.kv.swap_out(req)
+            bisect.insort(self.swapped, req, key=lambda r: r.sort_key)
+            return
         # NOTE: recompute: the request's tokens so far (prompt + output) are computed again
         # when it is readmitted; its output is kept, so nothing is lost or repeated.
-        self.running.remove(req)
+        self.preemptions.recompute += 1
         self.kv.free(req)
         req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
         heapq.heappush(self._waiting, (req.sort_key, req))
 
     # ---- update ----------------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> list[TokenDelta]:
-        """Advance progress, append sampled tokens, finish what stopped; deltas for the caller."""
+        """Advance progress, fork choices, append sampled tokens, finish what stopped."""
         for req, n in out.scheduled:
             req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
         if sampled is None:
             return []
+        for req, row in zip(out.sampling, out.sampling_rows, strict=True):
+            if req is not row:  # fork every choice before any of them may finish
+                self._fork(row, req)
         deltas = []
         for req, token, logprobs in zip(out.sampling, sampled.token_ids, sampled.logprobs,
                                         strict=True):
+            req.children = []
+            if logprobs is not None:
+                req.cumulative_logprob += logprobs.logprob
             req.append_token(token)
             status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
-            deltas.append(_delta(req, [token], None if logprobs is None else [logprobs]))
+            shown = None if req.sampling.logprobs is None else [logprobs]
+            deltas.append(_delta(req, [token], shown))
         return deltas
+
+    def _fork(self, parent: Request, child: Request) -> None:
+        self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        bisect.insort(self.running, child, key=lambda r: r.sort_key)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         s = req.sampling
@@ -168,12 +254,19 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif not req.status.finished:
+        elif req.swapped:
+            self.swapped.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and any(
+            r is req for _, r in self._waiting
+        ):
             self._waiting.remove((req.sort_key, req))
             heapq.heapify(self._waiting)
         req.status = status
         self.kv.free(req)
-        del self.requests[req.request_id]
+        group = self.groups[req.request_id]
+        group.remove(req)
+        if not group:
+            del self.groups[req.request_id]
 
 
 def _delta(req: Request, tokens: list[int], logprobs=None) -> TokenDelta:
@@ -184,4 +277,7 @@ def _delta(req: Request, tokens: list[int], logprobs=None) -> TokenDelta:
         stop_reason=req.stop_reason,
         logprobs=logprobs,
         num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=req.num_cached_tokens,
+        index=req.index,
+        cumulative_logprob=req.cumulative_logprob if req.sampling.best_of else None,
     )

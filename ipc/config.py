@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 
 _ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,16 @@ class EngineConfig:
     max_num_batched_tokens: int = field(
         default=2048, metadata={"help": "token budget of one engine step (chunked prefill)"}
     )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"}
+    )
+    swap_space: float = field(
+        default=4.0, metadata={"help": "GiB of host memory for swapping out preempted requests"}
+    )
+    preemption_mode: str = field(
+        default="auto", metadata={"help": "auto: swap or recompute by estimated cost",
+                                  "choices": _PREEMPTION_MODES}
+    )
     attention_backend: str = field(
         default="auto", metadata={"help": "paged attention kernels", "choices": _ATTENTION_BACKENDS}
     )
@@ -72,6 +83,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
+        if self.swap_space < 0:
+            raise ValueError("swap_space must be >= 0")
+        if self.preemption_mode not in _PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {_PREEMPTION_MODES}")
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -81,7 +96,11 @@ class EngineConfig:
         args: list[str] = []
         for f in fields(self):
             value = getattr(self, f.name)
-            if value != f.default:
+            if value == f.default:
+                continue
+            if isinstance(value, bool):
+                args.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+            else:
                 args += [_flag(f.name), str(value)]
         return args
 
@@ -90,8 +109,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add one flag per EngineConfig field, with its default and help text."""
     group = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
-        kind = _base_type(f.type)
         help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if f.type == "bool":
+            group.add_argument(_flag(f.name), dest=f.name, default=f.default, help=help_text,
+                               action=argparse.BooleanOptionalAction)
+            continue
+        kind = _base_type(f.type)
         group.add_argument(
             _flag(f.name), dest=f.name, type=kind, default=f.default,
             choices=f.metadata.get("choices"), help=help_text,

@@ -29,6 +29,7 @@ class AddRequest(_Msg, tag="add"):
     sampling: SamplingParams
     priority: int = 0  # lower runs first (as in vLLM)
     arrival_time: float = 0.0  # time.time() at the gateway
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
 
 
 class AbortRequests(_Msg, tag="abort"):
@@ -72,6 +73,8 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: list[PositionLogprobs] | None = None  # one per new token, when asked for
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    index: int = 0  # which choice (0 .. n-1) when the request asked for n > 1
+    cumulative_logprob: float | None = None  # with best_of: the choice's total logprob so far
 
     @property
     def finished(self) -> bool:
@@ -90,6 +93,12 @@ class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     generation_tokens: int = 0  # cumulative tokens sampled
     prefix_cache_queries: int = 0  # cumulative
     prefix_cache_hits: int = 0  # cumulative
+    num_preemptions_swap: int = 0  # cumulative, preemptions that swapped KV to the CPU pool
+    num_preemptions_recompute: int = 0  # cumulative, preemptions that drop KV and recompute
+    swap_out_bytes: int = 0  # cumulative
+    swap_in_bytes: int = 0  # cumulative
+    kv_cpu_blocks_total: int = 0
+    kv_cpu_blocks_free: int = 0
 
 
 class EngineReady(_Msg, tag="ready"):

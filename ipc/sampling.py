@@ -26,6 +26,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the sampled)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    n: int = 1  # choices returned; they share the prompt's KV blocks (copy-on-write)
+    best_of: int | None = None  # sample this many choices, return the n most likely
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
@@ -50,6 +52,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
         _check(all(s for s in self.stop), "stop", "must not contain empty strings")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
+        _check(1 <= self.n <= 64, "n", "must be in [1, 64]")
+        _check(
+            self.best_of is None or self.n <= self.best_of <= 64, "best_of", "must be in [n, 64]"
+        )
+
+    @property
+    def num_choices(self) -> int:
+        """How many choices the engine runs: best_of when set, else n."""
+        return self.best_of or self.n
 
     @property
     def greedy(self) -> bool:

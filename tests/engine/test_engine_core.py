@@ -52,7 +52,7 @@ def test_block_counts_while_running_and_all_free_after(make_core):
                                                        ignore_eos=True))
     add(core, "b", prompt(20, 2))
     core.step()  # both prompts fit the 2048-token budget: one step computes them
-    a, b = core.scheduler.requests["a"], core.scheduler.requests["b"]
+    a, b = core.scheduler.groups["a"][0], core.scheduler.groups["b"][0]
     assert len(a.block_ids) == -(-488 // 16) == 31
     assert len(b.block_ids) == 2
     _, finish = run_to_end(core)
