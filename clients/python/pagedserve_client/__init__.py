@@ -1,0 +1,45 @@
+"""pagedserve's Python SDK: `Client`/`AsyncClient` (HTTP + SSE) and `WebSocketClient`."""
+
+from pagedserve_client._client import AsyncClient, Client
+from pagedserve_client._errors import (
+    APIConnectionError,
+    APIError,
+    APIStatusError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    InternalServerError,
+    NotFoundError,
+    PagedServeError,
+    PermissionDeniedError,
+    RateLimitError,
+    RequestTooLargeError,
+    ServiceUnavailableError,
+    StreamError,
+    UnprocessableEntityError,
+)
+from pagedserve_client._sse import ServerSentEvent, SSEDecoder
+from pagedserve_client._streaming import AsyncStream, Stream
+from pagedserve_client._types import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    FinishReason,
+    GenerationDone,
+    GenerationStatus,
+    Model,
+    ModelList,
+    Usage,
+)
+from pagedserve_client._ws import Generation, WebSocketClient
+
+__all__ = [
+    "APIConnectionError", "APIError", "APIStatusError", "APITimeoutError", "AsyncClient",
+    "AsyncStream", "AuthenticationError", "BadRequestError", "ChatCompletion",
+    "ChatCompletionChunk", "Client", "Completion", "ConflictError", "FinishReason", "Generation",
+    "GenerationDone", "GenerationStatus", "InternalServerError", "Model", "ModelList",
+    "NotFoundError", "PagedServeError", "PermissionDeniedError", "RateLimitError",
+    "RequestTooLargeError", "SSEDecoder", "ServerSentEvent", "ServiceUnavailableError", "Stream",
+    "StreamError", "UnprocessableEntityError", "Usage", "WebSocketClient",
+]

@@ -1,0 +1,253 @@
+"""`Client` (sync) and `AsyncClient` over httpx: chat completions, completions, models, cancel.
+
+Both retry 408/409/429/5xx and connection errors with backoff (honouring Retry-After) before any
+byte of a response reaches the caller; a stream already handed out is never retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Literal, TypeVar, overload
+
+import httpx
+import msgspec
+
+from pagedserve_client._base import ClientSettings, body, connection_error
+from pagedserve_client._errors import status_error
+from pagedserve_client._retry import retry_delay, should_retry
+from pagedserve_client._streaming import AsyncStream, Stream
+from pagedserve_client._types import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    ModelList,
+)
+from pagedserve_client._ws import WebSocketClient
+
+T = TypeVar("T")
+Messages = list[dict[str, Any]]
+
+
+class Client:
+    """Blocking client. `with Client(base_url) as client: client.chat.completions.create(...)`."""
+
+    def __init__(self, base_url: str | None = None, *, api_key: str | None = None,
+                 timeout: float | httpx.Timeout | None = None, max_retries: int = 2,
+                 http_client: httpx.Client | None = None) -> None:
+        self.settings = ClientSettings(base_url, api_key, timeout, max_retries)
+        self._http = http_client or httpx.Client(timeout=self.settings.timeout)
+        self.chat = Chat(self)
+        self.completions = Completions(self)
+        self.models = Models(self)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask the server to abort a running request (by the X-Request-Id it returned)."""
+        self.request("POST", f"/v1/requests/{request_id}/cancel", None).close()
+        return True
+
+    def request(self, method: str, path: str, payload: dict[str, Any] | None,
+                stream: bool = False) -> httpx.Response:
+        """Send with retries; returns a response with a 2xx status or raises a typed error."""
+        s = self.settings
+        content = body(payload) if payload is not None else None
+        headers = {**s.headers, **({"Content-Type": "application/json"} if content else {})}
+        request = self._http.build_request(method, s.base_url + path, content=content,
+                                           headers=headers)
+        for attempt in range(s.max_retries + 1):
+            last = attempt == s.max_retries
+            try:
+                response = self._http.send(request, stream=stream)
+            except httpx.TransportError as exc:
+                if last:
+                    raise connection_error(exc) from exc
+                time.sleep(retry_delay(attempt))
+                continue
+            if response.status_code < 400:
+                return response
+            content_out = response.read()
+            response.close()
+            if last or not should_retry(response.status_code):
+                raise status_error(response.status_code, content_out,
+                                   response.headers.get("x-request-id"))
+            time.sleep(retry_delay(attempt, response.headers))
+        raise AssertionError("unreachable")
+
+    def _create(self, path: str, payload: dict[str, Any], cls: type[T], chunk: type[Any]
+                ) -> T | Stream[Any]:
+        response = self.request("POST", path, payload, stream=bool(payload.get("stream")))
+        if payload.get("stream"):
+            return Stream(response, chunk)
+        return msgspec.json.decode(response.content, type=cls)
+
+
+class AsyncClient:
+    """Asyncio client: `async with AsyncClient(base_url) as client: ...`; also WebSockets."""
+
+    def __init__(self, base_url: str | None = None, *, api_key: str | None = None,
+                 timeout: float | httpx.Timeout | None = None, max_retries: int = 2,
+                 http_client: httpx.AsyncClient | None = None) -> None:
+        self.settings = ClientSettings(base_url, api_key, timeout, max_retries)
+        self._http = http_client or httpx.AsyncClient(timeout=self.settings.timeout)
+        self.chat = AsyncChat(self)
+        self.completions = AsyncCompletions(self)
+        self.models = AsyncModels(self)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    def websocket(self, **options: Any) -> WebSocketClient:
+        """A WebSocket client for this server: `async with client.websocket() as ws: ...`."""
+        s = self.settings
+        return WebSocketClient(s.ws_url, api_key=s.api_key, **options)
+
+    async def cancel(self, request_id: str) -> bool:
+        await (await self.request("POST", f"/v1/requests/{request_id}/cancel", None)).aclose()
+        return True
+
+    async def request(self, method: str, path: str, payload: dict[str, Any] | None,
+                      stream: bool = False) -> httpx.Response:
+        s = self.settings
+        content = body(payload) if payload is not None else None
+        headers = {**s.headers, **({"Content-Type": "application/json"} if content else {})}
+        request = self._http.build_request(method, s.base_url + path, content=content,
+                                           headers=headers)
+        for attempt in range(s.max_retries + 1):
+            last = attempt == s.max_retries
+            try:
+                response = await self._http.send(request, stream=stream)
+            except httpx.TransportError as exc:
+                if last:
+                    raise connection_error(exc) from exc
+                await asyncio.sleep(retry_delay(attempt))
+                continue
+            if response.status_code < 400:
+                return response
+            content_out = await response.aread()
+            await response.aclose()
+            if last or not should_retry(response.status_code):
+                raise status_error(response.status_code, content_out,
+                                   response.headers.get("x-request-id"))
+            await asyncio.sleep(retry_delay(attempt, response.headers))
+        raise AssertionError("unreachable")
+
+    async def _create(self, path: str, payload: dict[str, Any], cls: type[T], chunk: type[Any]
+                      ) -> T | AsyncStream[Any]:
+        response = await self.request("POST", path, payload, stream=bool(payload.get("stream")))
+        if payload.get("stream"):
+            return AsyncStream(response, chunk)
+        return msgspec.json.decode(response.content, type=cls)
+
+
+# ---- resources ----------------------------------------------------------------------------
+
+
+class ChatCompletions:
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    @overload
+    def create(self, *, messages: Messages, model: str | None = ...,
+               stream: Literal[False] = ..., **params: Any) -> ChatCompletion: ...
+    @overload
+    def create(self, *, messages: Messages, model: str | None = ...,
+               stream: Literal[True], **params: Any) -> Stream[ChatCompletionChunk]: ...
+    def create(self, *, messages: Messages, model: str | None = None, stream: bool = False,
+               **params: Any) -> ChatCompletion | Stream[ChatCompletionChunk]:
+        """POST /v1/chat/completions; `params` are OpenAI's (and vLLM's) request fields."""
+        payload = {"messages": messages, "model": model, "stream": stream, **params}
+        return self._client._create("/v1/chat/completions", payload, ChatCompletion,
+                                    ChatCompletionChunk)
+
+
+class Chat:
+    def __init__(self, client: Client) -> None:
+        self.completions = ChatCompletions(client)
+
+
+class Completions:
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    @overload
+    def create(self, *, prompt: str | list[int], model: str | None = ...,
+               stream: Literal[False] = ..., **params: Any) -> Completion: ...
+    @overload
+    def create(self, *, prompt: str | list[int], model: str | None = ...,
+               stream: Literal[True], **params: Any) -> Stream[Completion]: ...
+    def create(self, *, prompt: str | list[int], model: str | None = None, stream: bool = False,
+               **params: Any) -> Completion | Stream[Completion]:
+        """POST /v1/completions."""
+        payload = {"prompt": prompt, "model": model, "stream": stream, **params}
+        return self._client._create("/v1/completions", payload, Completion, Completion)
+
+
+class Models:
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def list(self) -> ModelList:
+        response = self._client.request("GET", "/v1/models", None)
+        return msgspec.json.decode(response.content, type=ModelList)
+
+
+class AsyncChatCompletions:
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    @overload
+    async def create(self, *, messages: Messages, model: str | None = ...,
+                     stream: Literal[False] = ..., **params: Any) -> ChatCompletion: ...
+    @overload
+    async def create(self, *, messages: Messages, model: str | None = ...,
+                     stream: Literal[True], **params: Any) -> AsyncStream[ChatCompletionChunk]: ...
+    async def create(self, *, messages: Messages, model: str | None = None, stream: bool = False,
+                     **params: Any) -> ChatCompletion | AsyncStream[ChatCompletionChunk]:
+        payload = {"messages": messages, "model": model, "stream": stream, **params}
+        return await self._client._create("/v1/chat/completions", payload, ChatCompletion,
+                                          ChatCompletionChunk)
+
+
+class AsyncChat:
+    def __init__(self, client: AsyncClient) -> None:
+        self.completions = AsyncChatCompletions(client)
+
+
+class AsyncCompletions:
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    @overload
+    async def create(self, *, prompt: str | list[int], model: str | None = ...,
+                     stream: Literal[False] = ..., **params: Any) -> Completion: ...
+    @overload
+    async def create(self, *, prompt: str | list[int], model: str | None = ...,
+                     stream: Literal[True], **params: Any) -> AsyncStream[Completion]: ...
+    async def create(self, *, prompt: str | list[int], model: str | None = None,
+                     stream: bool = False, **params: Any) -> Completion | AsyncStream[Completion]:
+        payload = {"prompt": prompt, "model": model, "stream": stream, **params}
+        return await self._client._create("/v1/completions", payload, Completion, Completion)
+
+
+class AsyncModels:
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def list(self) -> ModelList:
+        response = await self._client.request("GET", "/v1/models", None)
+        return msgspec.json.decode(response.content, type=ModelList)

@@ -1,0 +1,150 @@
+"""Response types as msgspec structs: unknown fields are ignored, enums are open strings.
+
+NOTE: `finish_reason`, `role`, `status` stay `str`, so a value a newer server sends still
+decodes; the StrEnums name the known values and compare equal to the strings.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class GenerationStatus(enum.StrEnum):
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+
+
+class _Base(msgspec.Struct, kw_only=True):
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+class Usage(_Base):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TopLogprob(_Base):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(_Base):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(_Base):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatMessage(_Base):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Base):
+    index: int = 0
+    message: ChatMessage = msgspec.field(default_factory=ChatMessage)
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(_Base):
+    id: str
+    model: str = ""
+    created: int = 0
+    choices: list[ChatChoice] = []
+    usage: Usage | None = None
+    object: str = "chat.completion"
+
+
+class Delta(_Base):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Base):
+    index: int = 0
+    delta: Delta = msgspec.field(default_factory=Delta)
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Base):
+    id: str
+    model: str = ""
+    created: int = 0
+    choices: list[ChatChunkChoice] = []
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+    @property
+    def text(self) -> str:
+        """This chunk's new text (empty for role-only and usage chunks)."""
+        return "".join(c.delta.content or "" for c in self.choices)
+
+
+class CompletionLogprobs(_Base):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(_Base):
+    index: int = 0
+    text: str = ""
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(_Base):
+    """A completions response, and also each chunk of a streamed one."""
+
+    id: str
+    model: str = ""
+    created: int = 0
+    choices: list[CompletionChoice] = []
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.choices)
+
+
+class Model(_Base):
+    id: str
+    created: int = 0
+    owned_by: str = ""
+    max_model_len: int | None = None
+    object: str = "model"
+
+
+class ModelList(_Base):
+    data: list[Model] = []
+    object: str = "list"
+
+
+class GenerationDone(_Base):
+    """The `generation.done` frame of a WebSocket generation."""
+
+    id: str
+    status: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
