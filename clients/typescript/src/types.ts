@@ -1,0 +1,108 @@
+/** Request and response shapes. Enums are open: a value a newer server sends still type-checks. */
+
+// NOTE: `(string & {})` keeps editor completion for the known values while accepting any string.
+export type FinishReason = 'stop' | 'length' | 'abort' | 'error' | (string & {});
+export type GenerationStatus = 'completed' | 'cancelled' | (string & {});
+
+export interface ChatMessageParam {
+  role: 'system' | 'user' | 'assistant' | (string & {});
+  content: string;
+  name?: string;
+}
+
+/** Fields both request kinds share (OpenAI's and vLLM's); unknown extras pass through. */
+export interface CommonParams {
+  model?: string;
+  max_tokens?: number;
+  temperature?: number;
+  top_p?: number;
+  top_k?: number;
+  min_p?: number;
+  seed?: number;
+  stop?: string | string[];
+  presence_penalty?: number;
+  frequency_penalty?: number;
+  repetition_penalty?: number;
+  ignore_eos?: boolean;
+  stream_options?: { include_usage?: boolean };
+  [extra: string]: unknown;
+}
+
+export interface ChatCompletionParams extends CommonParams {
+  messages: ChatMessageParam[];
+  max_completion_tokens?: number;
+  logprobs?: boolean;
+  top_logprobs?: number;
+}
+
+export interface CompletionParams extends CommonParams {
+  prompt: string | number[];
+  logprobs?: number;
+}
+
+export interface Usage {
+  prompt_tokens: number;
+  completion_tokens: number;
+  total_tokens: number;
+}
+
+export interface ChatCompletion {
+  id: string;
+  object: 'chat.completion' | (string & {});
+  created: number;
+  model: string;
+  choices: { index: number; message: { role: string; content: string | null }; finish_reason: FinishReason | null; logprobs?: unknown }[];
+  usage?: Usage | null;
+}
+
+export interface ChatCompletionChunk {
+  id: string;
+  object: 'chat.completion.chunk' | (string & {});
+  created: number;
+  model: string;
+  choices: { index: number; delta: { role?: string; content?: string | null }; finish_reason: FinishReason | null; logprobs?: unknown }[];
+  usage?: Usage | null;
+}
+
+/** A completions response, and also each chunk of a streamed one. */
+export interface Completion {
+  id: string;
+  object: 'text_completion' | (string & {});
+  created: number;
+  model: string;
+  choices: { index: number; text: string; finish_reason: FinishReason | null; logprobs?: unknown }[];
+  usage?: Usage | null;
+}
+
+export interface Model {
+  id: string;
+  object: 'model' | (string & {});
+  created: number;
+  owned_by: string;
+  max_model_len?: number | null;
+}
+
+export interface ModelList {
+  object: 'list' | (string & {});
+  data: Model[];
+}
+
+/** The `generation.done` frame of a WebSocket generation. */
+export interface GenerationDone {
+  id: string;
+  status: GenerationStatus;
+  finish_reason: FinishReason | null;
+  usage?: Usage | null;
+}
+
+export interface RequestOptions {
+  /** Aborting it cancels the request (and the generation on the server). */
+  signal?: AbortSignal;
+}
+
+/** The text a chunk adds (empty for role-only and usage chunks). */
+export function chunkText(chunk: ChatCompletionChunk | Completion): string {
+  return chunk.choices
+    .map((c) => ('delta' in c ? c.delta.content ?? '' : (c as { text?: string }).text ?? ''))
+    .join('');
+}
