@@ -10,7 +10,9 @@ import uuid
 from collections.abc import Callable
 
 from engine.process import Core, LoopOptions, run_engine
+from ipc import exit_codes
 from ipc.config import EngineConfig, add_engine_args, config_from_args
+from ipc.sd_notify import Notifier
 
 HANG_ENV = "PAGEDSERVE_DEBUG_HANG_AFTER_STEPS"  # test-only: see LoopOptions.hang_after_steps
 
@@ -39,7 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None,
          core_factory: Callable[[EngineConfig], Core] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        config = config_from_args(ns)
+    except ValueError as exc:
+        parser.exit(exit_codes.CONFIG_ERROR, f"engine: error: {exc}\n")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
     hang = os.environ.get(HANG_ENV)
@@ -50,8 +57,10 @@ def main(argv: list[str] | None = None,
         hang_after_steps=int(hang) if hang else None,
     )
     incarnation = ns.incarnation or uuid.uuid4().hex
-    return run_engine(config_from_args(ns), ns.input_addr, ns.output_addr, incarnation, options,
-                      core_factory)
+    # NOTE: only a process run directly by systemd (pagedserve-engine@.service) notifies; the
+    # gateway strips NOTIFY_SOCKET from the engines it spawns.
+    return run_engine(config, ns.input_addr, ns.output_addr, incarnation, options,
+                      core_factory, Notifier())
 
 
 if __name__ == "__main__":

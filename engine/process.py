@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ipc import exit_codes
 from ipc.config import EngineConfig
 from ipc.messages import (
     FINISH_ABORT,
@@ -31,6 +32,7 @@ from ipc.messages import (
     ToEngine,
     TokenDelta,
 )
+from ipc.sd_notify import Notifier
 from ipc.transport import EngineSockets
 
 log = logging.getLogger("engine.process")
@@ -72,8 +74,9 @@ class EngineLoop:
     """Runs one core until shutdown. `run()` returns the process exit code."""
 
     def __init__(self, core: Core, sockets: EngineSockets, incarnation: str,
-                 options: LoopOptions | None = None) -> None:
+                 options: LoopOptions | None = None, notifier: Notifier | None = None) -> None:
         self._core = core
+        self._notifier = notifier or Notifier({})
         self._sockets = sockets
         self._incarnation = incarnation
         self._opts = options or LoopOptions()
@@ -94,21 +97,26 @@ class EngineLoop:
     def request_shutdown(self, timeout: float) -> None:
         """Stop admitting; finish in-flight work for up to `timeout` s, then abort the rest."""
         deadline = time.monotonic() + max(timeout, 0.0)
+        if self._deadline is None:
+            self._notifier.stopping(f"draining {len(self._live)} requests, "
+                                    f"deadline {max(timeout, 0.0):g} s")
         self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
 
     def run(self) -> int:
         for thread in self._threads:
             thread.start()
+        self._notifier.ready(f"serving {self._core.model_name} "
+                             f"({self._core.num_gpu_blocks} KV blocks)")
         try:
             while not self._drained():
                 self._run_once()
-            self._finish()
-            return 0
+            aborted = self._finish()
+            return exit_codes.DRAIN_TIMEOUT if aborted else exit_codes.OK
         except Exception as exc:  # NOTE: any failure of the core kills the engine, loudly
             log.exception("engine loop failed")
             self._send(EngineDead(reason=f"{type(exc).__name__}: {exc}",
                                   incarnation=self._incarnation))
-            return 1
+            return exit_codes.ENGINE_DIED
         finally:
             self._stop_threads()
 
@@ -170,6 +178,7 @@ class EngineLoop:
         if now < self._next_heartbeat:
             return
         self._next_heartbeat = now + self._opts.heartbeat_interval
+        self._notifier.watchdog()  # NOTE: also from the busy loop: a hung step stops it
         stats = self._core.stats()
         self._send(Heartbeat(step=self._steps, queue_depth=self._inputs.qsize() + stats.num_waiting,
                              stats=stats, incarnation=self._incarnation))
@@ -191,8 +200,9 @@ class EngineLoop:
             return False
         return not self._live or time.monotonic() >= self._deadline
 
-    def _finish(self) -> None:
-        """Abort what is left, refuse what is still queued, and tell the gateway we are done."""
+    def _finish(self) -> int:
+        """Abort what is left, refuse what is still queued, and tell the gateway we are done;
+        returns how many requests were aborted."""
         leftover = sorted(self._live)
         deltas = self._core.abort_requests(leftover) if leftover else []
         answered = {d.request_id for d in deltas if d.finished}
@@ -206,6 +216,7 @@ class EngineLoop:
         self._emit(deltas)
         reason = "shutdown" + (f" (aborted {len(leftover)} requests)" if leftover else "")
         self._send(EngineDead(reason=reason, incarnation=self._incarnation))
+        return len(leftover)
 
     def _stop_threads(self) -> None:
         self._stop_input.set()
@@ -242,13 +253,17 @@ def _error(request_id: str, message: str) -> TokenDelta:
 
 def run_engine(config: EngineConfig, input_addr: str, output_addr: str, incarnation: str,
                options: LoopOptions | None = None,
-               core_factory: Callable[[EngineConfig], Core] | None = None) -> int:
-    """Connect, build the core, hand-shake, run the loop; returns the exit code.
+               core_factory: Callable[[EngineConfig], Core] | None = None,
+               notifier: Notifier | None = None) -> int:
+    """Connect, build the core, hand-shake, run the loop; returns the exit code
+    (ipc.exit_codes). `notifier` gets READY=1 once the core is built, then WATCHDOG=1 pings.
 
     Installs SIGTERM/SIGINT handlers when called on the main thread.
     """
     options = options or LoopOptions()
+    notifier = notifier or Notifier({})
     sockets = EngineSockets(input_addr, output_addr, incarnation)
+    notifier.status(f"loading {config.model or 'the bundled model'}")
     try:
         core = (core_factory or _default_core)(config)
     except Exception as exc:  # NOTE: tell the gateway why, instead of only exiting
@@ -256,8 +271,8 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str, incarnat
         sockets.send_output(EngineDead(reason=f"startup failed: {type(exc).__name__}: {exc}",
                                        incarnation=incarnation))
         sockets.close()
-        return 1
-    loop = EngineLoop(core, sockets, incarnation, options)
+        return exit_codes.ENGINE_DIED
+    loop = EngineLoop(core, sockets, incarnation, options, notifier)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: loop.request_shutdown(options.shutdown_timeout))

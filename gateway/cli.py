@@ -1,6 +1,7 @@
 """`pagedserve` command line: `serve` (gateway + spawned engine), `engine` and `generate`.
 
 `serve` runs uvicorn on uvloop; SIGTERM/SIGINT drain (see `_Drainer`), a second one forces exit.
+Exit codes: ipc.exit_codes; under systemd it speaks sd_notify (READY, STATUS, WATCHDOG, STOPPING).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import uvicorn
 
 from gateway.app import build_app
 from gateway.service import Gateway, GatewaySettings
-from ipc.config import add_engine_args, config_from_args
+from ipc import exit_codes
+from ipc.config import EngineConfig, add_engine_args, config_from_args
+from ipc.sd_notify import Notifier
 
 log = structlog.get_logger("pagedserve.serve")
 
@@ -49,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may finish after SIGTERM before abort")
     group.add_argument("--log-level", default="info", help="gateway log level")
+    _add_engine_process_args(serve)
     add_engine_args(serve)
     commands.add_parser("engine", help="run one engine process (python -m engine ...)",
                         add_help=False)
@@ -57,15 +61,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_engine_process_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine process")
+    group.add_argument("--attach-engine", action="store_true",
+                       help="spawn no engine: wait for one started elsewhere (for example "
+                            "pagedserve-engine@.service) to connect to the addresses below")
+    group.add_argument("--engine-input-addr", default=os.environ.get("PAGEDSERVE_ENGINE_INPUT"),
+                       help="ROUTER address engines connect to (default: $PAGEDSERVE_ENGINE_INPUT,"
+                            " else a fresh ipc:// socket in the runtime directory)")
+    group.add_argument("--engine-output-addr",
+                       default=os.environ.get("PAGEDSERVE_ENGINE_OUTPUT"),
+                       help="PULL address engines send outputs to (default: "
+                            "$PAGEDSERVE_ENGINE_OUTPUT, else a fresh ipc:// socket)")
+    # NOTE: the engine heart-beats between steps only, and one long prefill step on a CPU can
+    # take several seconds: a tight timeout would kill healthy engines.
+    group.add_argument("--engine-heartbeat-timeout", type=float, default=30.0,
+                       help="seconds without a heartbeat before the engine is declared dead")
+    group.add_argument("--engine-startup-timeout", type=float, default=300.0,
+                       help="seconds the first engine may take to become ready")
+
+
+def check_args(ns: argparse.Namespace) -> EngineConfig:
+    """Validate what argparse cannot; returns the engine config (ValueError names the flag)."""
+    if ns.max_queued_requests is not None and ns.max_queued_requests < 1:
+        raise ValueError("--max-queued-requests must be >= 1")
+    for flag in ("shutdown_timeout", "engine_heartbeat_timeout", "engine_startup_timeout"):
+        if getattr(ns, flag) < 0 or (flag != "shutdown_timeout" and getattr(ns, flag) == 0):
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
+    if ns.attach_engine and not (ns.engine_input_addr and ns.engine_output_addr):
+        raise ValueError("--attach-engine needs --engine-input-addr and --engine-output-addr")
+    return config_from_args(ns)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in _EXEC_MODULES:
         # NOTE: exec keeps the gateway's process free of torch; the engine owns its own argv.
         module = _EXEC_MODULES[args[0]]
         os.execv(sys.executable, [sys.executable, "-m", module, *args[1:]])
-    ns = build_parser().parse_args(args)
-    if ns.max_queued_requests is not None and ns.max_queued_requests < 1:
-        raise SystemExit("--max-queued-requests must be >= 1")
+    parser = build_parser()
+    ns = parser.parse_args(args)
+    try:
+        check_args(ns)
+    except ValueError as exc:
+        parser.exit(exit_codes.CONFIG_ERROR, f"pagedserve: error: {exc}\n")
     configure_logging(ns.log_level)
     import uvloop
 
@@ -96,51 +135,97 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
 
 
 async def serve(ns: argparse.Namespace) -> int:
-    """Serve until drained; returns the exit status."""
+    """Serve until drained; returns the exit status (ipc.exit_codes)."""
     from gateway.engine_client import EngineClient, EngineUnavailableError
 
-    client = EngineClient(config_from_args(ns))
+    client = EngineClient(config_from_args(ns), heartbeat_timeout=ns.engine_heartbeat_timeout,
+                          startup_timeout=ns.engine_startup_timeout, spawn=not ns.attach_engine,
+                          input_addr=ns.engine_input_addr, output_addr=ns.engine_output_addr)
     gateway = Gateway(client, settings_from_args(ns))
     config = uvicorn.Config(build_app(client, gateway=gateway), host=ns.host, port=ns.port,
                             lifespan="off", access_log=False, log_level=ns.log_level,
                             ws="websockets", timeout_graceful_shutdown=5)
-    server = _Server(config, _Drainer(gateway, ns.shutdown_timeout))
-    status = 0
+    notifier = Notifier()
+    drainer = _Drainer(gateway, ns.shutdown_timeout, notifier)
+    server = _Server(config, drainer)
+    status = exit_codes.OK
 
     async def start_engine() -> None:
         nonlocal status
+        notifier.status("waiting for the engine" if ns.attach_engine else "starting the engine")
         try:
             await client.start()
             log.info("engine.ready", model=gateway.model_name)
         except EngineUnavailableError as exc:
             log.error("engine.failed", error=str(exc))
-            status = 1
+            status = exit_codes.ENGINE_DIED
             server.should_exit = True
+            return
+        while not server.started:  # NOTE: READY=1 means "send traffic": the port must be open
+            await asyncio.sleep(0.05)
+        notifier.ready(_status_line(gateway))
 
-    starter = asyncio.create_task(start_engine())
+    tasks = [asyncio.create_task(start_engine()),
+             asyncio.create_task(_supervise(gateway, notifier))]
     try:
         await server.serve()
     finally:
-        starter.cancel()
-        await asyncio.gather(starter, return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        notifier.stopping("closing the engine")
         await client.close(timeout=ns.shutdown_timeout)
+        notifier.close()
+    if status == exit_codes.OK and drainer.timed_out:
+        status = exit_codes.DRAIN_TIMEOUT
     return status
+
+
+def _status_line(gateway: Gateway) -> str:
+    if gateway.draining:
+        return f"draining: {len(gateway.generations)} requests in flight"
+    if gateway.ready:
+        return f"serving {gateway.model_name}: {len(gateway.generations)} requests in flight"
+    error = getattr(gateway.client, "last_error", None)
+    return "engine unavailable" + (f" ({error}); waiting for it to restart" if error else "")
+
+
+async def _supervise(gateway: Gateway, notifier: Notifier) -> None:
+    """WATCHDOG=1 from the event loop (a blocked loop stops the pings, and systemd restarts
+    us) and a STATUS= line whenever the engine's state changes."""
+    if not notifier.enabled:
+        return
+    period = min(notifier.watchdog_interval or 1.0, 1.0)
+    last = ""
+    while True:
+        if notifier.watchdog_interval is not None:
+            notifier.watchdog()
+        line = _status_line(gateway)
+        if line != last and gateway.client.info is not None:
+            notifier.status(line)
+            last = line
+        await asyncio.sleep(period)
 
 
 class _Drainer:
     """The shutdown checklist: stop taking work (health 503, new work 503, WS told), let
     in-flight requests finish until the deadline, abort the rest, then stop the server."""
 
-    def __init__(self, gateway: Gateway, timeout: float) -> None:
+    def __init__(self, gateway: Gateway, timeout: float, notifier: Notifier) -> None:
         self.gateway = gateway
         self.timeout = timeout
+        self.notifier = notifier
+        self.timed_out = False  # in-flight requests had to be aborted at the deadline
 
     async def drain(self, server: uvicorn.Server) -> None:
         gw = self.gateway
         log.info("drain.start", inflight=len(gw.generations), timeout_s=self.timeout)
+        self.notifier.stopping(f"draining {len(gw.generations)} requests, "
+                               f"deadline {self.timeout:g} s")
         gw.begin_drain()
         if not await gw.wait_idle(self.timeout):
             log.warning("drain.abort", remaining=len(gw.generations))
+            self.timed_out = True
             gw.abort_all()
             await gw.wait_idle(5.0)
         server.should_exit = True

@@ -388,6 +388,8 @@ def _child_env() -> dict[str, str]:
     # its root on the child's path (harmless when it is installed).
     root = str(Path(ipc.__file__).resolve().parents[1])
     env = dict(os.environ)
+    for name in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):  # NOTE: systemd's, ours only
+        env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
 

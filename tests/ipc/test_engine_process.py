@@ -9,6 +9,7 @@ import pytest
 from fake_engine import FakeCore
 
 from engine.process import SHUTTING_DOWN, LoopOptions, run_engine
+from ipc import exit_codes
 from ipc.config import EngineConfig
 from ipc.messages import (
     AbortRequests,
@@ -172,7 +173,7 @@ async def test_shutdown_deadline_aborts_the_rest() -> None:
         assert terminal == [TokenDelta(request_id="forever", finish_reason="abort")]
         assert "aborted 1" in dead.reason
     finally:
-        assert await h.close() == 0
+        assert await h.close() == exit_codes.DRAIN_TIMEOUT
 
 
 async def test_exception_in_step_sends_engine_dead_and_exits_non_zero() -> None:
@@ -181,11 +182,11 @@ async def test_exception_in_step_sends_engine_dead_and_exits_non_zero() -> None:
     h.add("a", max_tokens=5)
     _, dead = await h.until(EngineDead)
     assert "kernel exploded" in dead.reason
-    assert await h.close() == 1
+    assert await h.close() == exit_codes.ENGINE_DIED
 
 
 async def test_startup_failure_is_reported() -> None:
     h = Harness(None)
     msg = await asyncio.wait_for(h.gw.recv_output(), 5)
     assert isinstance(msg, EngineDead) and "no weights here" in msg.reason
-    assert await h.close() == 1
+    assert await h.close() == exit_codes.ENGINE_DIED
