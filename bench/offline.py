@@ -1,21 +1,26 @@
-"""Offline throughput of the in-process engine on a fixed, seeded workload.
+"""Offline throughput: the in-process engine against static-batching HF `generate`, same workload.
 
-    python -m bench.offline [--num-requests 32] [--prompt-len 128] [--output-len 128]
+    python -m bench.offline [--distribution fixed|mixed|chat] [--num-requests 32]
+                            [--baseline hf-static|none] [--dollars-per-hour 2.5]
                             [--breakdown] [engine flags]
 
-Outputs are fixed by ignore_eos, so every run does the same work. `--breakdown` times the parts
+Outputs are fixed by ignore_eos, so both systems do the same work; the baseline runs at each
+batch size of `--baseline-batch-sizes` and is quoted at its best. `--breakdown` times the parts
 of each engine step (schedule, input preparation, model forward, logits, sampling, update).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+from bench.memory import PeakMemory
+from bench.workloads import DISTRIBUTIONS, RequestSpec, make_workload, prompt_token_ids
 from ipc.config import add_engine_args, config_from_args
 from ipc.messages import AddRequest
 from ipc.sampling import SamplingParams
@@ -24,19 +29,31 @@ from ipc.sampling import SamplingParams
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.offline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--distribution", choices=DISTRIBUTIONS, default="fixed")
     p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=None, help="override every prompt length")
+    p.add_argument("--output-len", type=int, default=None, help="override every output length")
+    p.add_argument("--max-output-len", type=int, default=None,
+                   help="clip drawn output lengths (short runs; quote it with the figures)")
     p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--baseline", choices=("hf-static", "none"), default="hf-static")
+    p.add_argument("--baseline-batch-sizes", default="8,32",
+                   help="static batch sizes B to try; the best one is the baseline")
+    p.add_argument("--dollars-per-hour", type=float, default=None,
+                   help="machine price: adds cost per million output tokens")
     p.add_argument("--breakdown", action="store_true", help="time the parts of each step")
     p.add_argument("--json", action="store_true", help="print one JSON line of results")
     add_engine_args(p)
     return p
 
 
-def workload(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(n)]
+def build_workload(args: argparse.Namespace, vocab: int, max_len: int):
+    specs = make_workload(args.distribution, args.num_requests, args.workload_seed,
+                          args.max_output_len, max_total_len=max_len)
+    specs = [RequestSpec(args.prompt_len or s.prompt_len, args.output_len or s.output_len)
+             for s in specs]
+    rng = random.Random(args.workload_seed + 1)
+    return [prompt_token_ids(s, vocab, rng) for s in specs], [s.output_len for s in specs]
 
 
 class StepTimer:
@@ -74,10 +91,10 @@ def instrument(core) -> StepTimer:
     return t
 
 
-def run(core, prompts: list[list[int]], output_len: int) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def run(core, prompts: list[list[int]], output_lens: list[int]) -> dict:
     start = time.perf_counter()
-    for i, p in enumerate(prompts):
+    for i, (p, n) in enumerate(zip(prompts, output_lens, strict=True)):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         core.add_request(AddRequest(request_id=f"bench-{i}", prompt_token_ids=p, sampling=params))
     steps = out_tokens = 0
     while core.has_unfinished_requests():
@@ -89,30 +106,104 @@ def run(core, prompts: list[list[int]], output_len: int) -> dict:
             "output_tok_per_s": out_tokens / elapsed, "total_tok_per_s": total / elapsed}
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    config = config_from_args(args).replace(
-        max_num_seqs=max(args.num_requests, config_from_args(args).max_num_seqs))
+def matmul_gflops(m: int, k: int, n: int, seconds: float = 0.5) -> float:
+    """Measured float32 matrix rate at one of the model's own shapes ([m, k] @ [k, n])."""
+    import torch
+
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b  # warm-up
+    reps, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        a @ b
+        reps += 1
+    return 2.0 * m * k * n * reps / elapsed / 1e9
+
+
+def run_engine(args: argparse.Namespace, timer_on: bool) -> tuple[dict, StepTimer | None, tuple]:
+    config = config_from_args(args)
+    config = config.replace(max_num_seqs=max(args.num_requests, config.max_num_seqs))
     from engine.core import EngineCore
 
     core = EngineCore(config)
-    prompts = workload(args.num_requests, args.prompt_len, core.model_config.vocab_size,
-                       args.workload_seed)
-    run(core, prompts[:2], 4)  # warm-up: first-call allocations, thread pools
-    timer = instrument(core) if args.breakdown else None
-    result = run(core, prompts, args.output_len)
-    result.update(model=core.model_name, num_requests=args.num_requests,
-                  prompt_len=args.prompt_len, output_len=args.output_len)
+    cfg = core.model_config
+    prompts, output_lens = build_workload(args, cfg.vocab_size, core.max_model_len)
+    run(core, prompts[:2], [4, 4])  # warm-up: first-call allocations, thread pools
+    timer = instrument(core) if timer_on else None
+    with PeakMemory() as mem:
+        result = run(core, prompts, output_lens)
+    params = sum(p.numel() for p in core.runner.model.parameters())
+    batch = min(args.num_requests, config.max_num_seqs)
+    gflops = matmul_gflops(batch, cfg.hidden_size, cfg.intermediate_size)
+    result.update(system="pagedserve", peak_rss_bytes=mem.peak_rss, peak_cuda_bytes=mem.peak_cuda,
+                  floor={"params": params, "matmul_gflops": gflops, "matmul_m": batch,
+                         "compute_floor_tok_per_s": gflops * 1e9 / (2.0 * params)})
+    result["floor"]["fraction_of_floor"] = (result["output_tok_per_s"]
+                                            / result["floor"]["compute_floor_tok_per_s"])
+    meta = (core.model_name, core.max_model_len, cfg.vocab_size)
+    del core
+    gc.collect()
+    return result, timer, meta
+
+
+def run_baseline(args: argparse.Namespace, vocab: int, max_len: int) -> list[dict]:
+    from bench.hf_baseline import load_model, run_static
+
+    model, tok = load_model(args.model)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    prompts, output_lens = build_workload(args, vocab, max_len)
+    run_static(model, prompts[:2], [4, 4], 2, pad)  # warm-up, as for the engine
+    results = []
+    for b in sorted({min(int(x), len(prompts)) for x in args.baseline_batch_sizes.split(",")}):
+        with PeakMemory() as mem:
+            r = run_static(model, prompts, output_lens, b, pad)
+        r.update(system="hf-static", batch_size=b, peak_rss_bytes=mem.peak_rss,
+                 peak_cuda_bytes=mem.peak_cuda)
+        results.append(r)
+    del model
+    gc.collect()
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    engine, timer, (model_name, max_len, vocab) = run_engine(args, args.breakdown)
+    baselines = run_baseline(args, vocab, max_len) if args.baseline != "none" else []
+    best = max(baselines, key=lambda r: r["output_tok_per_s"], default=None)
+    for r in [engine, *baselines]:
+        if best is not None:
+            r["ratio_to_baseline"] = r["output_tok_per_s"] / best["output_tok_per_s"]
+        if args.dollars_per_hour is not None:
+            r["dollars_per_million_output_tokens"] = (
+                args.dollars_per_hour / 3600 / r["output_tok_per_s"] * 1e6)
+    result = {"model": model_name, "distribution": args.distribution,
+              "num_requests": args.num_requests, "workload_seed": args.workload_seed,
+              "max_output_len": args.max_output_len, "pagedserve": engine,
+              "baselines": baselines, "best_baseline_batch_size": best and best["batch_size"]}
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{core.model_name}: {args.num_requests} requests x {args.prompt_len} prompt + "
-              f"{args.output_len} output tokens, {result['steps']} steps, "
-              f"{result['elapsed_s']:.2f} s")
-        print(f"  output tokens/s: {result['output_tok_per_s']:.1f}   "
-              f"total tokens/s: {result['total_tok_per_s']:.1f}")
+        _print_table(result, args)
     if timer is not None:
-        _print_breakdown(timer.totals, result["elapsed_s"])
+        _print_breakdown(timer.totals, engine["elapsed_s"])
+
+
+def _print_table(result: dict, args: argparse.Namespace) -> None:
+    e = result["pagedserve"]
+    print(f"{result['model']}: {args.num_requests} requests, distribution {args.distribution} "
+          f"(seed {args.workload_seed}), {e['output_tokens']} output tokens")
+    print(f"  {'system':<20} {'out tok/s':>10} {'total tok/s':>12} {'peak RSS':>10} "
+          f"{'vs base':>8} {'$/M out':>9}")
+    for r in [e, *result["baselines"]]:
+        name = r["system"] + (f" B={r['batch_size']}" if "batch_size" in r else "")
+        ratio = f"{r['ratio_to_baseline']:.2f}x" if "ratio_to_baseline" in r else "-"
+        cost = r.get("dollars_per_million_output_tokens")
+        print(f"  {name:<20} {r['output_tok_per_s']:>10.1f} {r['total_tok_per_s']:>12.1f} "
+              f"{r['peak_rss_bytes'] / 2**30:>8.2f}Gi {ratio:>8} "
+              f"{'-' if cost is None else f'{cost:.2f}':>9}")
+    f = e["floor"]
+    print(f"  compute floor: {f['matmul_gflops']:.0f} GFLOP/s float32 at M={f['matmul_m']}, "
+          f"2 x {f['params'] / 1e6:.0f}M params/token -> {f['compute_floor_tok_per_s']:.0f} "
+          f"tok/s; pagedserve reaches {100 * f['fraction_of_floor']:.0f}%")
 
 
 def _print_breakdown(totals: dict[str, float], elapsed: float) -> None:

@@ -1,0 +1,38 @@
+"""bench.offline smoke run on the tiny model: both systems, every figure present (no timings)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import offline
+
+
+@pytest.mark.parametrize("distribution", ["mixed"])
+def test_offline_smoke(tiny_model_dir: Path, capsys, distribution: str) -> None:
+    offline.main(["--model", str(tiny_model_dir), "--num-gpu-blocks", "64", "--max-model-len",
+                  "512", "--distribution", distribution, "--num-requests", "4",
+                  "--max-output-len", "6", "--baseline-batch-sizes", "2,4",
+                  "--dollars-per-hour", "2.0", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    engine = result["pagedserve"]
+    assert engine["output_tokens"] == sum(  # ignore_eos: exactly the requested tokens
+        b["output_tokens"] for b in result["baselines"][:1])
+    assert [b["batch_size"] for b in result["baselines"]] == [2, 4]
+    assert result["best_baseline_batch_size"] in (2, 4)
+    for r in [engine, *result["baselines"]]:
+        assert r["output_tok_per_s"] > 0 and r["total_tok_per_s"] > r["output_tok_per_s"]
+        assert r["peak_rss_bytes"] > 0 and r["ratio_to_baseline"] > 0
+        assert r["dollars_per_million_output_tokens"] == pytest.approx(
+            2.0 / 3600 / r["output_tok_per_s"] * 1e6)
+    assert 0 < engine["floor"]["fraction_of_floor"]
+
+
+def test_offline_breakdown_without_baseline(tiny_model_dir: Path, capsys) -> None:
+    offline.main(["--model", str(tiny_model_dir), "--num-gpu-blocks", "64", "--max-model-len",
+                  "512", "--num-requests", "2", "--output-len", "4", "--prompt-len", "8",
+                  "--baseline", "none", "--breakdown"])
+    out = capsys.readouterr().out
+    assert "pagedserve" in out and "model forward" in out and "hf-static" not in out
