@@ -24,6 +24,7 @@ from ipc.model_source import resolve_model
 from kernels import get_backend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # auto: the model's dtype
 
 
 class EngineCore:
@@ -33,6 +34,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         self.device = _device(config.device)
         self.dtype = _dtype(config.dtype, self.device)
+        self.kv_dtype = _KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         source = resolve_model(config.model, config.served_model_name)
         self.model_name = source.name
         self.tokenizer_dir = str(tokenizer_dir(source, config.tokenizer))
@@ -41,7 +43,8 @@ class EngineCore:
         self.block_size = config.block_size
         self.num_gpu_blocks = self._num_blocks(model)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
-        block_bytes = self.block_size * self.model_config.kv_bytes_per_token * self.dtype.itemsize
+        kv_bytes = self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize
+        block_bytes = self.block_size * kv_bytes
         self.num_cpu_blocks = int(config.swap_space * 2**30 // block_bytes)
         self.kv = KVCacheManager(self.num_gpu_blocks, self.block_size,
                                  config.enable_prefix_caching, self.num_cpu_blocks)
@@ -57,7 +60,8 @@ class EngineCore:
         sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.runner = ModelRunner(
             model, self.num_gpu_blocks, self.block_size, self.max_model_len, sampler,
-            get_backend(config.attention_backend), self.device, self.dtype, self.num_cpu_blocks,
+            get_backend(config.attention_backend, self.device.type), self.device, self.kv_dtype,
+            self.num_cpu_blocks,
         )
         self.block_bytes = block_bytes
         self.step_count = 0
@@ -167,7 +171,7 @@ class EngineCore:
     def _num_blocks(self, model: torch.nn.Module) -> int:
         if self.config.num_gpu_blocks is not None:
             return self.config.num_gpu_blocks
-        per_block = self.block_size * self.model_config.kv_bytes_per_token * self.dtype.itemsize
+        per_block = self.block_size * self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.config.gpu_memory_utilization) * total

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 
 _ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
@@ -64,6 +65,10 @@ class EngineConfig:
     attention_backend: str = field(
         default="auto", metadata={"help": "paged attention kernels", "choices": _ATTENTION_BACKENDS}
     )
+    kv_cache_dtype: str = field(
+        default="auto", metadata={"help": "KV cache storage; auto: the model dtype, fp8_e4m3: "
+                                          "8 bits, upcast on read", "choices": _KV_CACHE_DTYPES}
+    )
     seed: int = field(default=0, metadata={"help": "seed for requests that set none"})
     max_logprobs: int = field(default=20, metadata={"help": "most top logprobs a request may ask"})
     num_threads: int | None = field(
@@ -81,6 +86,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
         if self.swap_space < 0:

@@ -13,16 +13,38 @@ from kernels.metadata import AttentionMetadata
 # NOTE: optional backends import heavy packages (triton, flash-attn); import them on demand only.
 BACKENDS = {
     "torch": "kernels.torch_backend",
+    "triton": "kernels.triton_backend",
+    "flash_attn": "kernels.flash_attn_backend",
 }
 
 
-def get_backend(name: str = "torch") -> ModuleType:
-    """Return the backend module, which provides `write_kv` and `paged_attention`."""
+def get_backend(name: str = "torch", device_type: str = "cpu") -> ModuleType:
+    """Return the backend module, which provides `write_kv` and `paged_attention`.
+
+    `auto` picks flash_attn, then triton, on CUDA (where their packages import) and torch
+    elsewhere. A named backend whose package is missing raises ValueError saying what is missing.
+    """
     if name == "auto":
-        name = "torch"
+        name = auto_backend(device_type)
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not available here; have {list(BACKENDS)}")
-    return importlib.import_module(BACKENDS[name])
+    try:
+        return importlib.import_module(BACKENDS[name])
+    except ImportError as e:
+        raise ValueError(f"attention backend {name!r} cannot be used here: {e}") from e
 
 
-__all__ = ["AttentionMetadata", "BACKENDS", "get_backend"]
+def auto_backend(device_type: str) -> str:
+    """flash_attn, then triton, where their packages import on CUDA; torch otherwise."""
+    if device_type != "cuda":
+        return "torch"
+    for name in ("flash_attn", "triton"):
+        try:
+            importlib.import_module(BACKENDS[name])
+        except ImportError:
+            continue  # NOTE: optional package absent (or broken): try the next backend
+        return name
+    return "torch"
+
+
+__all__ = ["AttentionMetadata", "BACKENDS", "auto_backend", "get_backend"]

@@ -11,6 +11,9 @@ import torch.nn.functional as F
 
 from kernels.metadata import AttentionMetadata
 
+FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_E4M3_MAX = 448.0
+
 
 def write_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -18,13 +21,30 @@ def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding (skipped)
+    *,
+    k_scale: torch.Tensor | None = None,  # [] or [num_kv_heads] fp32: stored = x / scale
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     if slot_mapping.numel() and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    _store(k_cache, slot_mapping, key, k_scale)
+    _store(v_cache, slot_mapping, value, v_scale)
+
+
+def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale) -> None:
+    kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    if cache.dtype not in FP8_DTYPES:
+        cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, x.to(cache.dtype))
+        return
+    x = x.float()
+    if scale is not None:
+        x = x / scale.float().view(-1, 1)
+    # NOTE: clamp first: out-of-range values saturate (a CUDA cast would give NaN), and
+    # index_copy_ has no fp8 kernel on the CPU, so the bytes go through a uint8 view.
+    q8 = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache.dtype)
+    flat = cache.view(torch.uint8).view(-1, kv_heads, head_dim)
+    flat.index_copy_(0, slots, q8.view(torch.uint8))
 
 
 def paged_attention(
@@ -33,16 +53,22 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,  # [] or [num_kv_heads]: cache holds x / scale
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attend every query token over its sequence's cached K/V (written before this call)."""
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
+    scales = (k_scale, v_scale)
     nd = meta.num_decodes
     if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale)
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, scales)
+    start = meta.num_decodes  # decodes have one query token each
     for i in range(nd, meta.num_seqs):
-        start = int(meta.query_start_loc[i])
         end = start + meta.query_lens_cpu[i]
-        out[start:end] = _prefill_one(q[start:end], k_cache, v_cache, meta, i, scale)
+        out[start:end] = _prefill_one(q[start:end], k_cache, v_cache, meta, i, scale, scales)
+        start = end
     return out
 
 
@@ -53,14 +79,20 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return blocks.view(n, nb * cache.shape[1], cache.shape[2], cache.shape[3])
 
 
-def _decode(q, k_cache, v_cache, meta, scale):
+def _upcast(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    # x: [..., kvh, d] from the cache -> dtype, times the per-tensor or per-head scale
+    x = x.to(dtype)
+    return x if scale is None else x * scale.to(dtype).view(-1, 1)
+
+
+def _decode(q, k_cache, v_cache, meta, scale, scales):
     nd, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // kv_heads
     nb = -(-meta.max_decode_seq_len // block_size)
     tables = meta.block_tables[:nd, :nb]
-    k = _gather(k_cache, tables).transpose(1, 2).to(q.dtype)  # [nd, kvh, L, d]
-    v = _gather(v_cache, tables).transpose(1, 2).to(q.dtype)
+    k = _upcast(_gather(k_cache, tables), q.dtype, scales[0]).transpose(1, 2)  # [nd, kvh, L, d]
+    v = _upcast(_gather(v_cache, tables), q.dtype, scales[1]).transpose(1, 2)
     positions = torch.arange(nb * block_size, device=q.device)
     mask = positions[None, :] < meta.seq_lens[:nd, None]  # [nd, L]
     # NOTE: the GQA group rides as query rows: one 4-D SDPA, no K/V repeat.
@@ -69,15 +101,15 @@ def _decode(q, k_cache, v_cache, meta, scale):
     return out.reshape(nd, num_heads, head_dim)
 
 
-def _prefill_one(q, k_cache, v_cache, meta, i, scale):
+def _prefill_one(q, k_cache, v_cache, meta, i, scale, scales):
     q_len, num_heads, head_dim = q.shape
     seq_len = meta.seq_lens_cpu[i]
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // kv_heads
     nb = -(-seq_len // block_size)
     tables = meta.block_tables[i : i + 1, :nb]
-    k = _gather(k_cache, tables)[0, :seq_len].to(q.dtype)  # [L, kvh, d]
-    v = _gather(v_cache, tables)[0, :seq_len].to(q.dtype)
+    k = _upcast(_gather(k_cache, tables)[0, :seq_len], q.dtype, scales[0])  # [L, kvh, d]
+    v = _upcast(_gather(v_cache, tables)[0, :seq_len], q.dtype, scales[1])
     # [kvh, group * q_len, d]: the group's query rows share each KV head
     qg = q.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
     qg = qg.reshape(kv_heads, group * q_len, head_dim)

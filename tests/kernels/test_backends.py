@@ -1,0 +1,86 @@
+"""The torch backend against float64 on random paged batches, backend selection, and the
+flash-attn adapter (only its availability error and argument mapping can run without a GPU).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+import types
+
+import pytest
+import torch
+from kernel_cases import check_attention, check_write_padding, make_batch, matrix, reference
+
+import kernels
+from kernels import auto_backend, get_backend
+
+
+@pytest.mark.parametrize("case", matrix("torch"), ids=lambda c: "-".join(map(str, c.values())))
+def test_torch_backend_matches_float64(case):
+    check_attention(**case)
+
+
+def test_torch_write_kv_skips_padding():
+    check_write_padding("torch")
+
+
+def test_auto_is_torch_on_cpu():
+    assert auto_backend("cpu") == "torch"
+    assert get_backend("auto", "cpu").__name__ == "kernels.torch_backend"
+
+
+def test_flash_attn_missing_is_a_clear_error():
+    if importlib.util.find_spec("flash_attn_interface") is not None:
+        pytest.skip("a flash-attn 3 build is installed here")
+    with pytest.raises(ValueError, match="FlashAttention-3.*--attention-backend triton"):
+        get_backend("flash_attn", "cuda")
+
+
+def _fake_fa3(calls: list[dict]) -> types.ModuleType:
+    """flash_attn_with_kvcache with FA3's documented semantics, in float64 torch."""
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, cu_seqlens_q,
+                                max_seqlen_q, softmax_scale, causal):
+        calls.append(dict(page_table=page_table.dtype, causal=causal, max_seqlen_q=max_seqlen_q))
+        page, kvh = k_cache.shape[1], k_cache.shape[2]
+        group = q.shape[1] // kvh
+        out = torch.empty_like(q)
+        for i in range(len(cache_seqlens)):
+            s, e, n = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(cache_seqlens[i])
+            pos = torch.arange(n)
+            blocks = page_table[i].long()[pos // page]
+            k = k_cache[blocks, pos % page].double().repeat_interleave(group, 1)
+            v = v_cache[blocks, pos % page].double().repeat_interleave(group, 1)
+            sc = torch.einsum("qhd,khd->hqk", q[s:e].double(), k) * softmax_scale
+            visible = pos[None, :] <= (n - (e - s) + torch.arange(e - s))[:, None]  # bottom-right
+            sc = sc.masked_fill(~visible, float("-inf"))
+            out[s:e] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), v).to(q.dtype)
+        return out
+
+    return types.SimpleNamespace(flash_attn_with_kvcache=flash_attn_with_kvcache)
+
+
+def test_flash_attn_adapter_maps_metadata_to_fa3(monkeypatch):
+    calls: list[dict] = []
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", _fake_fa3(calls))
+    monkeypatch.delitem(sys.modules, "kernels.flash_attn_backend", raising=False)
+    try:
+        backend = get_backend("flash_attn", "cuda")
+        assert backend.KIND == "fa3"
+        b = make_batch([(16, 1), (0, 1), (5, 16), (16, 7)], kv_heads=2, group=3, head_dim=32,
+                       dtype=torch.float32, kv_dtype=torch.float32, scales=None, page=16,
+                       device="cpu", gen=torch.Generator().manual_seed(0))
+        # NOTE: its write_kv is the Triton kernel (GPU only here); the torch one fills the cache.
+        get_backend("torch").write_kv(b.key, b.value, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        out = backend.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, 1 / math.sqrt(32))
+        torch.testing.assert_close(out.double(), reference(b, 1 / math.sqrt(32)))
+        assert calls == [dict(page_table=torch.int32, causal=True, max_seqlen_q=16)]
+        with pytest.raises(ValueError, match="FP8"):
+            cache8 = b.k_cache.to(torch.float8_e4m3fn)
+            backend.paged_attention(b.q, cache8, cache8, b.meta, 1.0)
+    finally:
+        sys.modules.pop("kernels.flash_attn_backend", None)
+        if hasattr(kernels, "flash_attn_backend"):
+            delattr(kernels, "flash_attn_backend")

@@ -1,0 +1,43 @@
+"""The Triton kernels on the CPU through the Triton interpreter, against float64 and against the
+torch backend inside the engine.
+
+TRITON_INTERPRET=1 must be set before triton is imported, so every case runs in one spawned
+worker process that sets it first; this process never sees the variable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import kernel_cases as kc
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (pip install '.[test]')")
+CASE_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx, initializer=kc.enter_interpreter) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("case", kc.matrix("triton"), ids=lambda c: "-".join(map(str, c.values())))
+def test_triton_matches_float64(interpreter, case):
+    interpreter.submit(kc.check_attention, **case).result(CASE_TIMEOUT_S)
+
+
+def test_triton_write_kv_skips_padding(interpreter):
+    interpreter.submit(kc.check_write_padding, "triton").result(CASE_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_engine_greedy_triton_equals_torch(interpreter, tiny_model_dir, kv_cache_dtype):
+    triton_ids = interpreter.submit(kc.engine_greedy, str(tiny_model_dir), "triton", 4,
+                                    kv_cache_dtype)
+    torch_ids = kc.engine_greedy(str(tiny_model_dir), "torch", 4, kv_cache_dtype)
+    assert triton_ids.result(CASE_TIMEOUT_S) == torch_ids
