@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgspec
 from starlette.applications import Starlette
@@ -15,8 +16,9 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 
 from gateway.auth import ApiKeyMiddleware
 from gateway.chunks import Accumulator, ChunkBuilder
@@ -38,6 +40,7 @@ from ipc.messages import FINISH_ERROR
 
 DONE = b"data: [DONE]\n\n"
 PING = b": ping\n\n"
+STATIC = Path(__file__).parent / "static"  # the chat page (clients/typescript builds sdk/)
 
 
 def _version() -> str:
@@ -189,6 +192,8 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
         Route("/version", h.version, methods=["GET"]),
         Route("/metrics", h.metrics, methods=["GET"]),
         WebSocketRoute("/v1/ws", WebSocketEndpoint(gw)),
+        Route("/", lambda request: FileResponse(STATIC / "index.html"), methods=["GET"]),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     middleware = [
         Middleware(CORSMiddleware, allow_origins=list(gw.settings.allowed_origins),

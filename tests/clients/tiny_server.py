@@ -23,7 +23,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 # NOTE: bump the suffix when the model's shape changes; the cache lives across test runs.
-CACHE = Path(tempfile.gettempdir()) / "pagedserve-test-tiny-llama-v1"
+CACHE = Path(tempfile.gettempdir()) / "pagedserve-test-tiny-llama-v2"
 MODEL_NAME = "tiny-llama"
 
 
@@ -40,8 +40,10 @@ def tiny_model_dir() -> Path:
 
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=CACHE.parent))
     try:
-        # NOTE: a long context lets browser and cancel tests stop a generation mid-way.
-        build_tiny_llama(tmp, tokenizer_dir(resolve_model(None)), max_position_embeddings=4096)
+        # NOTE: a long context lets browser and cancel tests stop a generation mid-way; untied
+        # embeddings keep a random model from repeating one token (tied ones echo newlines).
+        build_tiny_llama(tmp, tokenizer_dir(resolve_model(None)), max_position_embeddings=4096,
+                         tie_word_embeddings=False)
         os.replace(tmp, CACHE)
     except OSError:
         if not (CACHE / "config.json").is_file():

@@ -1,0 +1,92 @@
+/** `PagedServe`: the HTTP client (chat completions, completions, models, cancel) over fetch.
+ * Retries 408/409/429/5xx and network errors with backoff (honouring Retry-After) before any
+ * byte of a response reaches the caller; a stream already handed out is never retried. */
+import { APIConnectionError, APITimeoutError, APIUserAbortError, statusError } from './errors.js';
+import { retryDelayMs, shouldRetry, sleep } from './retry.js';
+import { Stream } from './streaming.js';
+import { WebSocketClient } from './ws.js';
+export class PagedServe {
+    baseURL;
+    apiKey;
+    timeoutMs;
+    maxRetries;
+    fetchImpl;
+    chat = {
+        completions: {
+            create: ((params, options) => this.create('/v1/chat/completions', params, options)),
+        },
+    };
+    completions = {
+        create: ((params, options) => this.create('/v1/completions', params, options)),
+    };
+    models = {
+        list: async (options) => (await this.request('GET', '/v1/models', undefined, options)).response.json(),
+    };
+    constructor(options = {}) {
+        const base = options.baseURL ?? globalThis.location?.origin ?? 'http://127.0.0.1:8000';
+        this.baseURL = base.replace(/\/+$/, '').replace(/\/v1$/, '');
+        this.apiKey = options.apiKey ?? null;
+        this.timeoutMs = options.timeoutMs ?? 600_000;
+        this.maxRetries = options.maxRetries ?? 2;
+        this.fetchImpl = options.fetch ?? ((...args) => globalThis.fetch(...args));
+    }
+    /** Ask the server to abort a running request (by the X-Request-Id it returned). */
+    async cancel(requestId, options) {
+        const path = `/v1/requests/${encodeURIComponent(requestId)}/cancel`;
+        await (await this.request('POST', path, undefined, options)).response.arrayBuffer();
+    }
+    /** A WebSocket client for this server (same base URL and key). */
+    websocket(options = {}) {
+        const url = this.baseURL.replace(/^http/, 'ws') + '/v1/ws';
+        return new WebSocketClient(url, { apiKey: this.apiKey, ...options });
+    }
+    async create(path, params, options) {
+        const { response, controller } = await this.request('POST', path, params, options);
+        if (params.stream)
+            return new Stream(response, controller);
+        return response.json();
+    }
+    /** Send with retries; resolves to a 2xx response or rejects with a typed error. */
+    async request(method, path, body, options = {}) {
+        const headers = { Accept: 'application/json' };
+        if (body !== undefined)
+            headers['Content-Type'] = 'application/json';
+        if (this.apiKey)
+            headers.Authorization = `Bearer ${this.apiKey}`;
+        for (let attempt = 0;; attempt++) {
+            const last = attempt >= this.maxRetries;
+            const controller = new AbortController();
+            const timer = setTimeout(() => controller.abort(new APITimeoutError('request timed out')), this.timeoutMs);
+            const onAbort = () => controller.abort(options.signal?.reason);
+            options.signal?.addEventListener('abort', onAbort, { once: true });
+            let response;
+            try {
+                if (options.signal?.aborted)
+                    throw new APIUserAbortError('request aborted');
+                response = await this.fetchImpl(this.baseURL + path, {
+                    method, headers, signal: controller.signal,
+                    body: body === undefined ? undefined : JSON.stringify(body),
+                });
+            }
+            catch (err) {
+                clearTimeout(timer);
+                if (options.signal?.aborted || err instanceof APIUserAbortError)
+                    throw new APIUserAbortError('request aborted', { cause: err });
+                const timedOut = controller.signal.reason instanceof APITimeoutError;
+                if (last)
+                    throw timedOut ? new APITimeoutError('request timed out', { cause: err }) : new APIConnectionError(`connection error: ${err.message}`, { cause: err });
+                await sleep(retryDelayMs(attempt), options.signal);
+                continue;
+            }
+            // NOTE: the timeout covers the wait for headers; a stream may then run as long as it needs.
+            clearTimeout(timer);
+            if (response.ok)
+                return { response, controller };
+            const text = await response.text();
+            if (last || !shouldRetry(response.status)) {
+                throw statusError(response.status, text, response.headers.get('x-request-id'));
+            }
+            await sleep(retryDelayMs(attempt, response.headers), options.signal);
+        }
+    }
+}

@@ -1,0 +1,8 @@
+/** pagedserve's TypeScript SDK: `PagedServe` (HTTP + SSE) and `WebSocketClient`. */
+export * from './errors.js';
+export { PagedServe } from './client.js';
+export { SSEDecoder, iterEvents } from './sse.js';
+export { Stream } from './streaming.js';
+export { retryDelayMs, shouldRetry } from './retry.js';
+export { Generation, WebSocketClient, RECONNECT_CODES, SUBPROTOCOL } from './ws.js';
+export * from './types.js';
