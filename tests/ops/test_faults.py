@@ -1,0 +1,154 @@
+"""Fault injection and load on a real `pagedserve serve` (tiny model, 127.0.0.1): kill -9 of the
+engine under 10 streams, a hung engine, 200 clients that give up, and overload."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from ops_support import Server, rss_bytes, wait_gone
+from tiny_server import metric
+
+pytestmark = pytest.mark.timeout(150)
+PROMPT = [{"role": "user", "content": "Tell me a long story."}]
+HEARTBEAT_TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = Server(tmp_path_factory.mktemp("faults"),
+                 "--engine-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def body(max_tokens: int, stream: bool = False) -> dict:
+    return {"messages": PROMPT, "max_tokens": max_tokens, "stream": stream, "temperature": 0}
+
+
+async def stream_until_end(http: httpx.AsyncClient, max_tokens: int,
+                           started: asyncio.Event) -> tuple[list[str], float]:
+    events: list[str] = []
+    async with http.stream("POST", "/v1/chat/completions", json=body(max_tokens, True)) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+    return events, time.monotonic()
+
+
+async def wait_health(http: httpx.AsyncClient, status: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while (await http.get("/health")).status_code != status:
+        assert time.monotonic() < deadline, f"/health never {status}"
+        await asyncio.sleep(0.1)
+
+
+async def wait_engine_idle(url: str, timeout: float = 5.0) -> None:
+    """Engine stats arrive with outputs or the ~1 s heartbeat: poll until nothing is held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        total, free = (metric(url, f"pagedserve_kv_blocks_{k}") for k in ("total", "free"))
+        held = (metric(url, "pagedserve_requests_running"),
+                metric(url, "pagedserve_requests_waiting"), total - free)
+        if held == (0, 0, 0):
+            return
+        assert time.monotonic() < deadline, f"running, waiting, KV blocks held: {held}"
+        await asyncio.sleep(0.1)
+
+
+async def test_kill_9_under_10_streams(server: Server) -> None:
+    old = server.engine_pid()
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        flags = [asyncio.Event() for _ in range(10)]
+        streams = [asyncio.create_task(stream_until_end(http, 3000, f)) for f in flags]
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in flags)), 60)
+        t0 = time.monotonic()
+        os.kill(old, signal.SIGKILL)
+        for events, ended in await asyncio.wait_for(asyncio.gather(*streams), 30):
+            assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+            assert ended - t0 < HEARTBEAT_TIMEOUT_S
+        refused = await http.post("/v1/chat/completions", json=body(4))
+        assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["code"] == "engine_unavailable"
+        await wait_health(http, 200, 90)
+        reply = await http.post("/v1/chat/completions", json=body(4))
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+    assert wait_gone(old, 5)
+    server.engine_pids.add(server.engine_pid())
+    await wait_engine_idle(server.url)
+
+
+async def test_200_clients_give_up_then_one_succeeds(server: Server) -> None:
+    limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as http:
+
+        async def impatient(i: int) -> None:
+            async def call() -> None:
+                async with http.stream("POST", "/v1/chat/completions",
+                                       json=body(2000, stream=i % 2 == 0)) as r:
+                    await r.aread()
+
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(call(), 0.5)
+
+        await asyncio.gather(*(impatient(i) for i in range(200)))
+        t0 = time.monotonic()
+        reply = await http.post("/v1/chat/completions", json=body(8))
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
+        assert time.monotonic() - t0 < 10
+    await wait_engine_idle(server.url)
+    assert metric(server.url, "pagedserve_client_disconnects_total") >= 200
+
+
+async def test_overload_is_refused_and_memory_stays_bounded(tmp_path: Path) -> None:
+    server = Server(tmp_path, "--max-queued-requests", "4")
+    try:
+        server.wait_ready()
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            rss = []
+            for _ in range(3):
+                replies = await asyncio.gather(
+                    *(http.post("/v1/chat/completions", json=body(32)) for _ in range(40)))
+                rss.append(rss_bytes(server.proc.pid))
+                refused = [r for r in replies if r.status_code == 503]
+                done = [r for r in replies if r.status_code == 200]
+                assert len(refused) + len(done) == 40 and refused and len(done) >= 4
+                assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+                assert {r.json()["error"]["code"] for r in refused} == {"server_overloaded"}
+                assert all(r.json()["usage"]["completion_tokens"] == 32 for r in done)
+        assert rss[-1] - rss[0] < 32 << 20, f"gateway RSS grew: {rss}"
+        await wait_engine_idle(server.url)
+    finally:
+        server.stop()
+
+
+async def test_hung_engine_is_detected_and_replaced(tmp_path: Path) -> None:
+    server = Server(tmp_path, "--engine-heartbeat-timeout", "2",
+                    env={"PAGEDSERVE_DEBUG_HANG_AFTER_STEPS": "40"})
+    try:
+        server.wait_ready()
+        hung = server.engine_pid()
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            events, _ = await asyncio.wait_for(
+                stream_until_end(http, 1000, asyncio.Event()), 30)
+            assert events[-1] == "[DONE]"
+            assert "no heartbeat" in json.loads(events[-2])["error"]["message"]
+            assert wait_gone(hung, 5), "the hung engine is killed"
+            await wait_health(http, 200, 90)
+            reply = await http.post("/v1/chat/completions", json=body(4))
+            assert reply.status_code == 200
+        server.engine_pids.add(server.engine_pid())
+    finally:
+        server.stop()
