@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_manager import BlockPool, KVCacheManager
+from engine.kv_manager import BlockPool, KVCacheManager, hash_block
 from engine.request import Request
 from ipc.sampling import SamplingParams
 
@@ -68,3 +68,125 @@ def test_out_of_blocks_takes_nothing_and_free_returns_everything():
     assert a.block_ids == [] and kv.num_free_blocks == 3
     # the freed request's tail block is queued before its head block
     assert kv.pool.free_ids() == [2, 1, 0]
+
+
+# ---- prefix cache -------------------------------------------------------------------------
+
+
+def make_tokens_request(tokens: list[int], rid: str = "r", salt: bytes = b"") -> Request:
+    return Request(rid, tokens, SamplingParams(), max_tokens=16, cache_salt=salt)
+
+
+def run_prefill(kv: KVCacheManager, req: Request) -> list[int]:
+    """Admit as the scheduler does: cache hits, then compute the rest and register blocks."""
+    hits = kv.find_cached_prefix(req)
+    computed = len(hits) * kv.block_size
+    assert kv.allocate_slots(req, req.num_tokens - computed, hits)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_full_blocks(req)
+    return hits
+
+
+def test_hash_chain_depends_on_parent_tokens_and_salt():
+    a = hash_block(None, [1, 2, 3, 4])
+    assert a == hash_block(None, [1, 2, 3, 4])
+    assert a != hash_block(None, [1, 2, 3, 5])
+    assert hash_block(a, [5, 6, 7, 8]) != hash_block(None, [5, 6, 7, 8])
+    assert hash_block(None, [1, 2, 3, 4], b"salt") != a
+
+
+def test_shared_prefix_hits_full_blocks_only_and_leaves_the_last_token():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = make_tokens_request(list(range(10)), "a")  # blocks [0..3] [4..7] + partial
+    assert run_prefill(kv, a) == []
+    assert a.block_ids == [0, 1, 2]
+    assert kv.pool.cached == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
+    b = make_tokens_request(list(range(8)) + [99, 98, 97], "b")
+    assert run_prefill(kv, b) == [0, 1]
+    assert b.block_ids == [0, 1, 3]
+    assert kv.pool.ref_cnt[:4] == [2, 2, 1, 1]
+    # a prompt that is exactly cached still computes its last block
+    c = make_tokens_request(list(range(8)), "c")
+    assert run_prefill(kv, c) == [0]
+    assert c.block_ids == [0, 4]
+
+
+def test_salt_separates_caches():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    run_prefill(kv, make_tokens_request(list(range(9)), "a", b"tenant-1"))
+    assert run_prefill(kv, make_tokens_request(list(range(9)), "b", b"tenant-2")) == []
+    assert run_prefill(kv, make_tokens_request(list(range(9)), "c", b"tenant-1")) == [0, 1]
+
+
+def test_freed_cached_blocks_are_evicted_lru_tail_first():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    a = make_tokens_request([1, 2, 3, 4, 5], "a")  # blocks 0, 1 full; 2 partial
+    b = make_tokens_request([7, 8, 9], "b")  # block 3 full; 4 partial
+    run_prefill(kv, a)
+    run_prefill(kv, b)
+    kv.free(a)
+    kv.free(b)
+    # never-used block 5 first, then a's blocks tail first, then b's
+    assert kv.pool.free_ids() == [5, 2, 1, 0, 4, 3]
+    # a hit revives a cached free block: it leaves the free queue
+    a2 = make_tokens_request([1, 2, 3, 4, 6], "a2")
+    assert run_prefill(kv, a2) == [0, 1]
+    assert kv.pool.free_ids() == [2, 4, 3]  # 5 was taken for a2's last block
+    assert a2.block_ids == [0, 1, 5]
+    # taking a cached block evicts its hash
+    kv.free(a2)
+    new = make_tokens_request(list(range(100, 106)), "n")
+    run_prefill(kv, new)
+    assert new.block_ids == [2, 4, 3]
+    assert kv.pool.lookup(b.block_hashes[0]) is None  # b's block 3 was evicted
+    assert [kv.pool.lookup(h) for h in new.block_hashes] == [2, 4, 3]
+    assert kv.pool.lookup(a.block_hashes[0]) == 0  # a's head is still cached
+
+
+def test_disabled_prefix_cache_never_hits():
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    run_prefill(kv, make_tokens_request(list(range(9)), "a"))
+    assert run_prefill(kv, make_tokens_request(list(range(9)), "b")) == []
+    assert kv.pool.cached == {}
+
+
+# ---- copy-on-write and swap -------------------------------------------------------------
+
+
+def test_fork_shares_the_partial_block_and_the_first_write_copies_it():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent = make_tokens_request(list(range(6)), "p")
+    run_prefill(kv, parent)
+    child = make_tokens_request(list(range(6)), "p")
+    kv.fork(parent, child)
+    assert child.block_ids == parent.block_ids == [0, 1]
+    assert kv.pool.ref_cnt[:2] == [2, 2]
+    child.num_computed_tokens = 6
+    child.append_token(50)
+    assert kv.allocate_slots(child, 1)  # writes position 6, in shared block 1
+    assert child.block_ids == [0, 2]
+    assert kv.take_pending_copies() == [("gpu_to_gpu", 1, 2)]
+    assert kv.pool.ref_cnt[:3] == [2, 1, 1]
+    parent.append_token(60)
+    assert kv.allocate_slots(parent, 1)  # now the parent owns block 1 alone: no copy
+    assert parent.block_ids == [0, 1] and kv.take_pending_copies() == []
+
+
+def test_swap_out_and_in_moves_blocks_between_pools():
+    kv = KVCacheManager(num_blocks=4, block_size=4, num_cpu_blocks=3)
+    req = make_tokens_request(list(range(10)), "s")
+    run_prefill(kv, req)
+    assert req.block_ids == [0, 1, 2] and kv.can_swap_out(req)
+    kv.swap_out(req)
+    assert req.block_ids == [] and req.cpu_block_ids == [0, 1, 2]
+    assert kv.num_free_blocks == 4 and kv.num_free_cpu_blocks == 0
+    other = make_tokens_request([9] * 3, "o")
+    assert kv.allocate_slots(other, 3)
+    assert other.block_ids == [3]
+    assert kv.swap_in(req)
+    assert req.block_ids == [2, 1, 0] and req.cpu_block_ids == []
+    assert kv.take_pending_copies() == [
+        ("gpu_to_cpu", 0, 0), ("gpu_to_cpu", 1, 1), ("gpu_to_cpu", 2, 2),
+        ("cpu_to_gpu", 0, 2), ("cpu_to_gpu", 1, 1), ("cpu_to_gpu", 2, 0),
+    ]
+    assert kv.num_free_cpu_blocks == 3

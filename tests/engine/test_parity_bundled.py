@@ -82,8 +82,12 @@ def assert_parity(ours: list[int], ref: tuple[list[int], list[torch.Tensor]], la
     "options",
     [
         pytest.param({}, id="default"),
+        pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
         pytest.param({"max_num_batched_tokens": 48}, id="chunked-prefill"),
-        pytest.param({"num_gpu_blocks": 26, "max_num_batched_tokens": 128}, id="preemption"),
+        pytest.param({"num_gpu_blocks": 26, "max_num_batched_tokens": 128,
+                      "preemption_mode": "recompute"}, id="preempt-recompute"),
+        pytest.param({"num_gpu_blocks": 26, "max_num_batched_tokens": 128,
+                      "preemption_mode": "swap"}, id="preempt-swap"),
     ],
 )
 def test_greedy_parity_with_hf(options, prompts, hf_reference, llm_factory):
@@ -94,8 +98,30 @@ def test_greedy_parity_with_hf(options, prompts, hf_reference, llm_factory):
         assert_parity(out.token_ids, ref, f"{options} prompt of {n} tokens")
     stats = llm.engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total
-    if "num_gpu_blocks" in options:
-        assert stats.num_preemptions > 0, "the small pool was meant to force preemption"
+    mode = options.get("preemption_mode")
+    if mode == "swap":
+        assert stats.num_preemptions_swap > 0 and stats.num_preemptions_recompute == 0
+        assert stats.swap_out_bytes == stats.swap_in_bytes > 0
+    elif mode == "recompute":
+        assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap == 0
+    else:
+        assert stats.num_preemptions == 0
+
+
+def test_prefix_cache_hits_give_the_same_tokens(prompts, hf_reference, llm_factory):
+    """The prompts share prefixes: a second pass computes only what the cache lacks."""
+    llm = llm_factory()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    llm.generate([{"prompt_token_ids": prompts[-1]}], params)  # warm: the longest prompt
+    before = llm.engine.stats()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    after = llm.engine.stats()
+    for n, out, ref in zip(LENGTHS, outs, hf_reference, strict=True):
+        assert_parity(out.token_ids, ref, f"cached prompt of {n} tokens")
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    cached = sum(o.num_cached_tokens for o in outs)
+    assert hits == cached > 0.8 * sum(len(p) for p in prompts)
+    assert outs[-1].num_cached_tokens == 288  # 300 tokens: 18 full blocks, the last recomputed
 
 
 def test_capital_of_france(llm_factory):
