@@ -151,3 +151,56 @@ def test_tiny_model_greedy_parity_with_hf(make_core, tiny_model_dir):
         ref = hf.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=12,
                           min_new_tokens=12, do_sample=False, pad_token_id=0)
         assert outputs[str(i)] == ref[0, len(p):].tolist(), f"prompt {i}"
+
+
+def peak_blocks_in_use(core) -> tuple[dict[tuple[str, int], list[int]], int]:
+    outputs: dict[tuple[str, int], list[int]] = {}
+    peak = 0
+    while core.has_unfinished_requests():
+        for d in core.step():
+            outputs.setdefault((d.request_id, d.index), []).extend(d.new_token_ids)
+        peak = max(peak, core.num_gpu_blocks - core.kv.num_free_blocks)
+    return outputs, peak
+
+
+def test_n_choices_share_prompt_blocks_and_match_single_requests(make_core):
+    p = prompt(70, 3)  # 4 full blocks of 16 and a partial one, shared by all choices
+    params = dict(temperature=50.0, max_tokens=20, ignore_eos=True)  # a peaked tiny model
+    shared = make_core(enable_prefix_caching=False)
+    add(shared, "g", p, SamplingParams(n=4, seed=100, **params))
+    grouped, peak_shared = peak_blocks_in_use(shared)
+    singles = make_core(enable_prefix_caching=False)
+    for i in range(4):
+        add(singles, f"s{i}", p, SamplingParams(seed=100 + i, **params))
+    alone, peak_alone = peak_blocks_in_use(singles)
+    for i in range(4):
+        assert grouped[("g", i)] == alone[(f"s{i}", 0)]
+    assert len({tuple(v) for v in grouped.values()}) > 1  # the choices really differ
+    print(f"peak KV blocks: n=4 shared {peak_shared}, four requests {peak_alone}")
+    # 5 prompt blocks held once instead of 4 times, the partial one copied on first write
+    assert peak_shared <= peak_alone - 3 * 4
+    assert shared.kv.num_free_blocks == shared.num_gpu_blocks
+
+
+def test_best_of_reports_cumulative_logprobs(make_core):
+    core = make_core()
+    add(core, "b", prompt(9), SamplingParams(n=1, best_of=3, seed=1, temperature=1.0,
+                                            max_tokens=5, ignore_eos=True))
+    finals = {}
+    while core.has_unfinished_requests():
+        for d in core.step():
+            if d.finished:
+                finals[d.index] = d.cumulative_logprob
+    assert sorted(finals) == [0, 1, 2]
+    assert all(v is not None and v < 0 for v in finals.values())
+
+
+def test_abort_ends_every_choice(make_core):
+    core = make_core()
+    add(core, "g", prompt(9), SamplingParams(n=3, max_tokens=50, ignore_eos=True))
+    core.step()
+    core.step()
+    deltas = core.abort_requests(["g"])
+    assert sorted(d.index for d in deltas) == [0, 1, 2]
+    assert all(d.finish_reason == "abort" for d in deltas)
+    assert core.kv.num_free_blocks == core.num_gpu_blocks

@@ -103,3 +103,28 @@ def test_unknown_engine_option_is_rejected(tiny_model_dir):
         LLM(str(tiny_model_dir), no_such_option=1)
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLM(str(tiny_model_dir), max_num_seqs=0)
+
+
+def test_n_choices_and_best_of(llm):
+    params = SamplingParams(n=3, seed=5, temperature=50.0, max_tokens=6, ignore_eos=True)
+    out = llm.generate("Tell me", params)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in out.outputs)
+    assert out.text == out.outputs[0].text
+    best = llm.generate("Tell me", SamplingParams(n=2, best_of=4, seed=5, temperature=50.0,
+                                                  max_tokens=6, ignore_eos=True))[0]
+    assert [c.index for c in best.outputs] == [0, 1]
+    scores = [c.cumulative_logprob for c in best.outputs]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_stop_string_on_one_choice_stops_only_that_choice(llm):
+    params = SamplingParams(n=2, seed=11, temperature=50.0, max_tokens=12, ignore_eos=True)
+    first = llm.generate("Hi", params)[0].outputs
+    stop = first[0].text[3:6]
+    assert stop.strip() and stop not in first[1].text[:9]
+    out = llm.generate("Hi", SamplingParams(n=2, seed=11, temperature=50.0, max_tokens=12,
+                                            ignore_eos=True, stop=(stop,)))[0].outputs
+    assert out[0].finish_reason == "stop"
+    assert out[0].text == first[0].text[: first[0].text.index(stop)]
+    assert llm.engine.kv.num_free_blocks == 64
