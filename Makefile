@@ -6,8 +6,10 @@ STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 PYTEST_ARGS ?=
+TS      := clients/typescript
+NPM_STAMP := $(TS)/node_modules/.installed
 
-.PHONY: test serve setup lint clean
+.PHONY: test test-js chromium serve setup lint clean
 
 setup: $(STAMP)
 
@@ -26,6 +28,21 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 test: $(STAMP)
 	$(BIN)/python -m ruff check gateway engine ipc kernels bench tests clients/python
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-js
+
+# The TypeScript SDK, the openai npm conformance and the chat page in headless Chromium
+# (vitest starts its own server on the tiny model).
+test-js: $(STAMP) $(NPM_STAMP) chromium
+	cd $(TS) && npx tsc -p tsconfig.json --noEmit && npx vitest run
+
+$(NPM_STAMP): $(TS)/package-lock.json
+	cd $(TS) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+# NOTE: CI machines have Node and npm but no browser; Debian's chromium needs root to install.
+chromium:
+	@test -x /usr/bin/chromium || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
 serve: $(STAMP)
 	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT)
