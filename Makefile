@@ -33,7 +33,7 @@ test: $(STAMP)
 # The TypeScript SDK, the openai npm conformance and the chat page in headless Chromium
 # (vitest starts its own server on the tiny model).
 test-js: $(STAMP) $(NPM_STAMP) chromium
-	cd $(TS) && npx tsc -p tsconfig.json --noEmit && npx vitest run
+	cd $(TS) && npx tsc -p tsconfig.test.json && npx vitest run
 
 $(NPM_STAMP): $(TS)/package-lock.json
 	cd $(TS) && npm ci --no-audit --no-fund --loglevel=error

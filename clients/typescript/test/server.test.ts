@@ -1,6 +1,5 @@
 import OpenAI from 'openai';
 import { describe, expect, inject, it } from 'vitest';
-import { WebSocket } from 'ws';
 import * as ps from '../src/index.js';
 import { metric, waitIdle } from './helpers.js';
 
@@ -66,7 +65,8 @@ describe('PagedServe against a real server', () => {
 
 describe('WebSocketClient against a real server (ws package on Node 20)', () => {
   it('runs several generations on one socket, cancels one, reports errors', async () => {
-    const ws = new ps.PagedServe({ baseURL }).websocket({ WebSocket: WebSocket as unknown as ps.WebSocketConstructor });
+    // NOTE: no constructor given: on Node 20 the SDK loads the optional `ws` package itself.
+    const ws = new ps.PagedServe({ baseURL }).websocket();
     try {
       const short = await Promise.all([1, 2, 3].map(() => ws.generate({ messages: MESSAGES, max_tokens: 8, ignore_eos: true })));
       const long = await ws.generate({ messages: MESSAGES, ...LONG });
@@ -95,12 +95,12 @@ describe('official openai npm package (conformance)', () => {
   });
 
   it('streams a chat completion with usage', async () => {
-    const stream = await openai.chat.completions.create({
-      model: 'tiny-llama', messages: [{ role: 'user', content: 'hi' }], max_tokens: 6, stream: true,
-      stream_options: { include_usage: true },
-      // @ts-expect-error vLLM-style extra field
-      ignore_eos: true,
-    });
+    // NOTE: a variable, not a literal: vLLM-style extras (ignore_eos) are not in openai's types.
+    const params = {
+      model: 'tiny-llama', messages: [{ role: 'user' as const, content: 'hi' }], max_tokens: 6,
+      stream: true as const, stream_options: { include_usage: true }, ignore_eos: true,
+    };
+    const stream = await openai.chat.completions.create(params);
     let text = '';
     let usage: OpenAI.CompletionUsage | null | undefined;
     for await (const chunk of stream) {
