@@ -30,7 +30,8 @@ def test_itl_and_tpot() -> None:
     r = _rec(0.5, 0.1, 5)
     assert r.itls == pytest.approx([0.1] * 4)
     assert r.tpot == pytest.approx(0.1)
-    assert RequestRecord(ok=True, ttft=0.1, chunk_times=[0.1], e2e=0.1, output_tokens=1).tpot is None
+    one = RequestRecord(ok=True, ttft=0.1, chunk_times=[0.1], e2e=0.1, output_tokens=1)
+    assert one.tpot is None
 
 
 def test_summary_and_goodput() -> None:
