@@ -1,5 +1,5 @@
-"""Ops test fixtures: a fake systemd notify socket; tests/clients is put on the path for the
-tiny-model server helpers (tiny_server.py)."""
+"""Ops test fixtures: a fake systemd notify socket; tests/clients and tests/gateway go on the
+path for the tiny-model server (tiny_server.py) and the scripted engine (gateway_fakes.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "clients"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))  # gateway_fakes.py
 from ops_support import NotifySocket  # noqa: E402
 
 
