@@ -67,6 +67,7 @@ class Request:
         self.num_registered_blocks = 0  # leading blocks registered in the prefix cache
         self.cache_salt = cache_salt  # extra key: only requests with the same salt share blocks
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        self.scheduled_time: float | None = None  # time.time() of the first admission
         self.cumulative_logprob = 0.0  # sum of the sampled tokens' logprobs (best_of, beams)
         self.children: list[Request] = []  # the other n - 1 choices, forked after the prompt
         self.stop_reason: int | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -174,6 +175,8 @@ class Scheduler:
             budget -= n
 
     def _start(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        if req.scheduled_time is None:
+            req.scheduled_time = time.time()
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=lambda r: r.sort_key)
         out.scheduled.append((req, n))
@@ -234,6 +237,7 @@ class Scheduler:
 
     def _fork(self, parent: Request, child: Request) -> None:
         self.kv.fork(parent, child)
+        child.scheduled_time = parent.scheduled_time
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = RequestStatus.RUNNING
@@ -280,4 +284,5 @@ def _delta(req: Request, tokens: list[int], logprobs=None) -> TokenDelta:
         num_cached_tokens=req.num_cached_tokens,
         index=req.index,
         cumulative_logprob=req.cumulative_logprob if req.sampling.best_of else None,
+        scheduled_time=req.scheduled_time if req.num_output_tokens == len(tokens) else None,
     )

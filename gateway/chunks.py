@@ -14,6 +14,7 @@ from gateway.protocol import (
     CompletionLogprobs,
     Delta,
     Message,
+    PromptTokensDetails,
     TokenLogprobs,
     TopLogprob,
     Usage,
@@ -58,7 +59,9 @@ def _bytes(text: str) -> list[int]:
 
 
 def _usage(gen: Generation) -> Usage:
-    return Usage(**gen.usage)
+    u = gen.usage
+    return Usage(u["prompt_tokens"], u["completion_tokens"], u["total_tokens"],
+                 PromptTokensDetails(u["cached_tokens"]))
 
 
 class ChunkBuilder:

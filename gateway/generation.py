@@ -67,6 +67,7 @@ class Job:
     sampling: SamplingParams
     priority: int = 0
     include_usage: bool = False
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     arrival: float = field(default_factory=time.time)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -95,6 +96,7 @@ class Generation:
     ) -> None:
         self.job = job
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the engine found in its prefix cache
         self.finish_reason: str | None = None
         self._client = client
         self._metrics = metrics
@@ -109,6 +111,7 @@ class Generation:
                 sampling=sampling,
                 priority=job.priority,
                 arrival_time=job.arrival,
+                cache_salt=job.cache_salt,
             )
         )
         self._submitted = time.monotonic()
@@ -130,6 +133,7 @@ class Generation:
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
         }
 
     async def __aiter__(self) -> AsyncIterator[Piece | None]:
@@ -172,6 +176,9 @@ class Generation:
     def _on_delta(self, delta: TokenDelta) -> Piece | None:
         now = time.monotonic()
         ids = delta.new_token_ids
+        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+        if delta.scheduled_time is not None:
+            self._metrics.queue_time.observe(max(0.0, delta.scheduled_time - self.job.arrival))
         if ids:
             self._count_tokens(now, len(ids))
         text = self._detok.add(ids)
@@ -196,7 +203,6 @@ class Generation:
         if self._first is None:
             self._first = now
             m.ttft.observe(time.time() - self.job.arrival)
-            m.queue_time.observe(now - self._submitted)
         elif self._last is not None:
             m.itl.observe((now - self._last) / n)
         self._last = now

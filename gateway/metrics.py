@@ -43,7 +43,36 @@ class _EngineCollector(Collector):
                 "pagedserve_preemptions", "Requests preempted by the scheduler",
                 value=stats.num_preemptions,
             ),
+            _labelled(CounterMetricFamily(
+                "pagedserve_preemptions_by_kind", "Preemptions by how the KV was handled",
+                labels=["kind"]), {"swap": stats.num_preemptions_swap,
+                                   "recompute": stats.num_preemptions_recompute}),
+            GaugeMetricFamily(
+                "pagedserve_requests_swapped", "Requests whose KV is swapped out to the CPU pool",
+                value=stats.num_swapped,
+            ),
+            _labelled(CounterMetricFamily(
+                "pagedserve_swap_bytes", "KV bytes copied between the pools",
+                labels=["direction"]), {"out": stats.swap_out_bytes, "in": stats.swap_in_bytes}),
+            GaugeMetricFamily("pagedserve_kv_cpu_blocks_free", "Free blocks in the CPU swap pool",
+                              value=stats.kv_cpu_blocks_free),
+            GaugeMetricFamily("pagedserve_kv_cpu_blocks_total", "Blocks in the CPU swap pool",
+                              value=stats.kv_cpu_blocks_total),
+            CounterMetricFamily(
+                "pagedserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                value=stats.prefix_cache_queries,
+            ),
+            CounterMetricFamily(
+                "pagedserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                value=stats.prefix_cache_hits,
+            ),
         )
+
+
+def _labelled(family: CounterMetricFamily, values: dict[str, float]) -> CounterMetricFamily:
+    for label, value in values.items():
+        family.add_metric([label], value)
+    return family
 
 
 class Metrics:
@@ -66,7 +95,7 @@ class Metrics:
         )
         self.queue_time = Histogram(
             "pagedserve_request_queue_time_seconds",
-            "Submission to the engine until its first output for the request (queue + prefill)",
+            "Arrival at the gateway until the engine first schedules the request",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.prompt_tokens = Counter(

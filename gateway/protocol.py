@@ -61,6 +61,7 @@ class _Common(msgspec.Struct, kw_only=True):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: Annotated[str, msgspec.Meta(max_length=256)] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -188,10 +189,15 @@ def to_sampling(request: AnyRequest, max_tokens: int, max_logprobs: int) -> Samp
 # ---- responses ---------------------------------------------------------------------------
 
 
-class Usage(msgspec.Struct):
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(msgspec.Struct):

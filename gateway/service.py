@@ -126,6 +126,7 @@ class Gateway:
             sampling=sampling,
             priority=request.priority,
             include_usage=request.include_usage,
+            cache_salt=request.cache_salt,
         )
 
     def start(self, job: Job) -> Generation:

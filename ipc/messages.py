@@ -75,6 +75,7 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     index: int = 0  # which choice (0 .. n-1) when the request asked for n > 1
     cumulative_logprob: float | None = None  # with best_of: the choice's total logprob so far
+    scheduled_time: float | None = None  # on a choice's first delta: time.time() it left the queue
 
     @property
     def finished(self) -> bool:

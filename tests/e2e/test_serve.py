@@ -109,6 +109,35 @@ def test_openai_client(url: str) -> None:
     assert text.startswith(stopped.choices[0].message.content)
 
 
+def test_server_text_equals_in_process_llm(url: str) -> None:
+    from engine import LLM, SamplingParams
+
+    client = _client(url)
+    model = client.models.list().data[0].id
+    served = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12,
+                                            temperature=0).choices[0].message.content
+    llm = LLM(max_model_len=512, num_gpu_blocks=64)
+    local = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=12))[0].text
+    assert served == local
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(url: str) -> None:
+    client = _client(url)
+    model = client.models.list().data[0].id
+    system = {"role": "system", "content": "You are a careful assistant. " * 12}
+    messages = [system, {"role": "user", "content": "Name a colour."}]
+    hits_before = _metric(url, "pagedserve_prefix_cache_hits_total")
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                           temperature=0)
+    again = client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                           temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 64 and cached < again.usage.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert _metric(url, "pagedserve_prefix_cache_hits_total") - hits_before >= cached
+    assert _metric(url, "pagedserve_prefix_cache_queries_total") > 0
+
+
 def test_disconnect_frees_kv(url: str) -> None:
     total = _metric(url, "pagedserve_kv_blocks_total")
     body = {"messages": MESSAGES, "max_tokens": 400, "stream": True}
