@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 TS      := clients/typescript
 NPM_STAMP := $(TS)/node_modules/.installed
 
-.PHONY: test test-js chromium serve setup lint clean
+.PHONY: test test-js chromium serve setup lint clean soak
 
 setup: $(STAMP)
 
@@ -43,6 +43,12 @@ $(NPM_STAMP): $(TS)/package-lock.json
 chromium:
 	@test -x /usr/bin/chromium || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; }
+
+# The long soak (30 minutes of mixed load on the tiny model); `make test` runs a 10 s one.
+SOAK_SECONDS ?= 1800
+soak: $(STAMP)
+	PAGEDSERVE_SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python -m pytest -s -p no:cacheprovider \
+		tests/ops/test_soak.py
 
 serve: $(STAMP)
 	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT)

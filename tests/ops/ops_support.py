@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -143,3 +144,18 @@ def wait_gone(pid: int, timeout: float) -> bool:
 def rss_bytes(pid: int) -> int:
     fields = Path(f"/proc/{pid}/statm").read_text().split()
     return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def wait_engine_idle(url: str, timeout: float = 5.0) -> None:
+    """Engine stats arrive with outputs or the ~1 s heartbeat: poll until nothing is held."""
+    from tiny_server import metric
+
+    deadline = time.monotonic() + timeout
+    while True:
+        total, free = (metric(url, f"pagedserve_kv_blocks_{k}") for k in ("total", "free"))
+        held = (metric(url, "pagedserve_requests_running"),
+                metric(url, "pagedserve_requests_waiting"), total - free)
+        if held == (0, 0, 0):
+            return
+        assert time.monotonic() < deadline, f"running, waiting, KV blocks held: {held}"
+        await asyncio.sleep(0.1)
