@@ -57,3 +57,24 @@ describe('WebSocketClient reconnects', () => {
     }
   });
 });
+
+describe('WebSocketClient auth', () => {
+  it('offers the API key as the bearer.<key> subprotocol (browsers cannot set headers)', async () => {
+    let offered: string[] = [];
+    const server = new WebSocketServer({
+      host: '127.0.0.1', port: 0,
+      handleProtocols: (protocols) => { offered = [...protocols]; return 'pagedserve.v1'; },
+    });
+    await new Promise((r) => server.once('listening', r));
+    const { port } = server.address() as { port: number };
+    const ws = new ps.PagedServe({ baseURL: `http://127.0.0.1:${port}`, apiKey: 'k1' }).websocket({ WebSocket: Ctor });
+    try {
+      await ws.connect();
+      expect(ws.url).toBe(`ws://127.0.0.1:${port}/v1/ws`);
+      expect(offered).toEqual(['pagedserve.v1', 'bearer.k1']);
+    } finally {
+      ws.close();
+      server.close();
+    }
+  });
+});
