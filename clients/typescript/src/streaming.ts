@@ -21,9 +21,13 @@ export class Stream<T> implements AsyncIterable<T> {
     if (this.consumed) throw new Error('a Stream can be iterated only once');
     this.consumed = true;
     if (!this.response.body) throw new APIConnectionError('the response has no body');
+    let finished = false;
     try {
       for await (const event of iterEvents(this.response.body)) {
-        if (event.data === '[DONE]') return;
+        if (event.data === '[DONE]') {
+          finished = true;
+          return;
+        }
         yield this.decode(event.data, event.event);
       }
     } catch (err) {
@@ -33,7 +37,8 @@ export class Stream<T> implements AsyncIterable<T> {
       }
       throw err;
     } finally {
-      this.controller.abort(); // NOTE: a no-op after [DONE]; on `break` it closes the connection
+      // NOTE: on `break` or an error this drops the connection, which cancels on the server.
+      if (!finished) this.controller.abort();
     }
   }
 

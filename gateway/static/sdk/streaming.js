@@ -22,10 +22,13 @@ export class Stream {
         this.consumed = true;
         if (!this.response.body)
             throw new APIConnectionError('the response has no body');
+        let finished = false;
         try {
             for await (const event of iterEvents(this.response.body)) {
-                if (event.data === '[DONE]')
+                if (event.data === '[DONE]') {
+                    finished = true;
                     return;
+                }
                 yield this.decode(event.data, event.event);
             }
         }
@@ -38,7 +41,9 @@ export class Stream {
             throw err;
         }
         finally {
-            this.controller.abort(); // NOTE: a no-op after [DONE]; on `break` it closes the connection
+            // NOTE: on `break` or an error this drops the connection, which cancels on the server.
+            if (!finished)
+                this.controller.abort();
         }
     }
     decode(data, event) {
