@@ -58,7 +58,7 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
 
-def _usage(gen: Generation) -> Usage:
+def usage_of(gen: Generation) -> Usage:
     u = gen.usage
     return Usage(u["prompt_tokens"], u["completion_tokens"], u["total_tokens"],
                  PromptTokensDetails(u["cached_tokens"]))
@@ -95,9 +95,9 @@ class ChunkBuilder:
         job = self._gen.job
         if job.kind == "chat":
             return ChatCompletionChunk(
-                job.request_id, job.created, job.model, [], usage=_usage(self._gen)
+                job.request_id, job.created, job.model, [], usage=usage_of(self._gen)
             )
-        return Completion(job.request_id, job.created, job.model, [], usage=_usage(self._gen))
+        return Completion(job.request_id, job.created, job.model, [], usage=usage_of(self._gen))
 
 
 class Accumulator:
@@ -122,7 +122,7 @@ class Accumulator:
             lp = self._namer.chat(self._logprobs) if want else None
             choice = ChatChoice(0, Message("assistant", text), lp, finish_reason)
             return ChatCompletion(job.request_id, job.created, job.model, [choice],
-                                  _usage(self._gen))
+                                  usage_of(self._gen))
         lp = self._namer.completion(self._logprobs, 0) if want else None
         return Completion(job.request_id, job.created, job.model,
-                          [CompletionChoice(0, text, lp, finish_reason)], _usage(self._gen))
+                          [CompletionChoice(0, text, lp, finish_reason)], usage_of(self._gen))

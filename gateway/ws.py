@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.auth import bearer_ok
-from gateway.chunks import ChunkBuilder
+from gateway.chunks import ChunkBuilder, usage_of
 from gateway.errors import ApiError
 from gateway.generation import Generation
 from gateway.protocol import ChatCompletionRequest, decode_request
@@ -274,7 +274,8 @@ class Session:
             self.tasks.pop(gen_id, None)
         status = "cancelled" if cancelled or gen.finish_reason == FINISH_ABORT else "completed"
         self.push({"type": "generation.done", "id": gen_id, "status": status,
-                   "finish_reason": gen.finish_reason, "usage": gen.usage})
+                   "finish_reason": gen.finish_reason,
+                   "usage": msgspec.to_builtins(usage_of(gen))})
 
     # ---- frames out ---------------------------------------------------------------------
 
