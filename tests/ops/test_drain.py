@@ -107,10 +107,10 @@ async def _until_status(http: httpx.AsyncClient, path: str, status: int, within:
         await asyncio.sleep(0.02)
 
 
-def test_idle_sigterm_exits_0_and_config_errors_exit_2(tmp_path: Path) -> None:
-    server = Server(tmp_path)
-    server.wait_ready()
-    assert server.stop(timeout=15) == exit_codes.OK
+def test_config_errors_exit_2(tmp_path: Path) -> None:
     bad = Server(tmp_path, "--max-num-seqs", "0")
     assert bad.proc.wait(30) == exit_codes.CONFIG_ERROR
     assert "max_num_seqs must be >= 1" in bad.log()
+    bad = Server(tmp_path, "--attach-engine")
+    assert bad.proc.wait(30) == exit_codes.CONFIG_ERROR
+    assert "--attach-engine needs" in bad.log()

@@ -16,6 +16,8 @@ import pytest
 from ops_support import Server, rss_bytes, wait_engine_idle, wait_gone
 from tiny_server import metric
 
+from ipc import exit_codes
+
 pytestmark = pytest.mark.timeout(150)
 PROMPT = [{"role": "user", "content": "Tell me a long story."}]
 HEARTBEAT_TIMEOUT_S = 5.0
@@ -29,7 +31,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         srv.wait_ready()
         yield srv
     finally:
-        srv.stop()
+        code = srv.stop()
+    assert code == exit_codes.OK, "an idle SIGTERM is a clean exit"
 
 
 def body(max_tokens: int, stream: bool = False) -> dict:
