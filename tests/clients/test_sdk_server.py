@@ -1,9 +1,11 @@
-"""The Python SDK (HTTP, SSE, WebSocket) and the official openai package against a real server."""
+"""The Python SDK (HTTP, SSE, WebSocket), the official openai package and the chat page's files
+against a real server (one per module: server start-up dominates this folder's time)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import pagedserve_client as ps
 import pytest
@@ -95,3 +97,14 @@ def test_openai_python_conformance(server_url: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=MESSAGES, temperature=-1)
     assert info.value.code == "invalid_value"
+
+
+def test_chat_page_and_static_files(server_url: str) -> None:
+    page = httpx.get(f"{server_url}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '<script type="module" src="/static/chat.js">' in page.text
+    for path in ("chat.js", "chat.css", "sdk/index.js", "sdk/ws.js"):
+        response = httpx.get(f"{server_url}/static/{path}")
+        assert response.status_code == 200, path
+    assert "javascript" in httpx.get(f"{server_url}/static/chat.js").headers["content-type"]
+    assert httpx.get(f"{server_url}/static/nope.js").status_code == 404
