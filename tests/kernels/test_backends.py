@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import importlib
 import math
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +31,24 @@ def test_torch_write_kv_skips_padding():
 def test_auto_is_torch_on_cpu():
     assert auto_backend("cpu") == "torch"
     assert get_backend("auto", "cpu").__name__ == "kernels.torch_backend"
+
+
+def test_kernels_work_without_triton():
+    # sys.modules[name] = None makes `import name` fail, as on a machine without the package
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import kernels\n"
+        "assert kernels.get_backend('auto', 'cpu').__name__ == 'kernels.torch_backend'\n"
+        "assert kernels.auto_backend('cuda') == 'torch'\n"
+        "try:\n"
+        "    kernels.get_backend('triton', 'cuda')\n"
+        "except ValueError as e:\n"
+        "    assert 'triton' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120)
 
 
 def test_flash_attn_missing_is_a_clear_error():
