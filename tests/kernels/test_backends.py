@@ -104,3 +104,24 @@ def test_flash_attn_adapter_maps_metadata_to_fa3(monkeypatch):
         sys.modules.pop("kernels.flash_attn_backend", None)
         if hasattr(kernels, "flash_attn_backend"):
             delattr(kernels, "flash_attn_backend")
+
+
+def test_kv_cache_dtype_is_validated():
+    from ipc.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2")
+
+
+def test_fp8_kv_cache_is_allocated_in_8_bits(tiny_model_dir):
+    from engine.core import EngineCore
+    from ipc.config import EngineConfig
+
+    def core(kv: str) -> EngineCore:
+        return EngineCore(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                       kv_cache_space=0.01, swap_space=0.001, kv_cache_dtype=kv))
+
+    fp32, fp8 = core("auto"), core("fp8_e4m3")
+    assert fp8.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    # a quarter of fp32's bytes per block: four times the blocks (up to rounding)
+    assert abs(fp8.num_gpu_blocks - 4 * fp32.num_gpu_blocks) < 4
