@@ -110,18 +110,16 @@ def _prefill_one(q, k_cache, v_cache, meta, i, scale, scales):
     tables = meta.block_tables[i : i + 1, :nb]
     k = _upcast(_gather(k_cache, tables)[0, :seq_len], q.dtype, scales[0])  # [L, kvh, d]
     v = _upcast(_gather(v_cache, tables)[0, :seq_len], q.dtype, scales[1])
-    # [kvh, group * q_len, d]: the group's query rows share each KV head
-    qg = q.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    qg = qg.reshape(kv_heads, group * q_len, head_dim)
-    kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [kvh, L, d]
+    if group > 1:  # NOTE: a prefill is compute-bound: one copy of K/V per query head is cheap
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, len, d]
     if q_len == seq_len:
-        mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril()
+        # NOTE: no cached prefix: top-left and bottom-right causal agree, and is_causal lets
+        # the flash kernel skip the masked half.
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
     else:
-        # NOTE: bottom-right causal: query j (of q_len) sits at position seq_len - q_len + j.
-        mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
-    mask = mask.repeat(group, 1)  # rows follow qg's (group, q_len) order
-    out = F.scaled_dot_product_attention(qg[None], kt[None], vt[None], attn_mask=mask, scale=scale)
-    # [1, kvh, group * q_len, d] -> [q_len, num_heads, d]
-    return out[0].view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
-        q_len, num_heads, head_dim
-    )
+        # bottom-right causal: query j (of q_len) sits at position seq_len - q_len + j
+        mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
+        mask = mask.tril(seq_len - q_len)
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)  # [q_len, num_heads, d]
