@@ -220,7 +220,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="static batch size B")
     p.add_argument("--batch-wait-ms", type=float, default=0.0,
                    help="wait this long after the first request for the batch to fill")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
+    if args.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     model, tok = load_model(args.model)
     batcher = StaticBatcher(model, tok, args.batch_size, args.batch_wait_ms / 1000)
     print(f"{LABEL}: static batches of {args.batch_size} (a baseline, not pagedserve)", flush=True)

@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from pathlib import Path
 
 from bench.memory import PeakMemory
 from bench.workloads import DISTRIBUTIONS, RequestSpec, make_workload, prompt_token_ids
@@ -43,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="machine price: adds cost per million output tokens")
     p.add_argument("--breakdown", action="store_true", help="time the parts of each step")
     p.add_argument("--json", action="store_true", help="print one JSON line of results")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON results here")
     add_engine_args(p)
     return p
 
@@ -120,8 +123,9 @@ def matmul_gflops(m: int, k: int, n: int, seconds: float = 0.5) -> float:
 
 
 def run_engine(args: argparse.Namespace, timer_on: bool) -> tuple[dict, StepTimer | None, tuple]:
+    # NOTE: --max-num-seqs is the engine's batch width; below --num-requests, finished
+    # requests' slots are refilled from the queue (continuous batching).
     config = config_from_args(args)
-    config = config.replace(max_num_seqs=max(args.num_requests, config.max_num_seqs))
     from engine.core import EngineCore
 
     core = EngineCore(config)
@@ -165,6 +169,8 @@ def run_baseline(args: argparse.Namespace, vocab: int, max_len: int) -> list[dic
 
 
 def main(argv: list[str] | None = None) -> None:
+    import torch
+
     args = build_parser().parse_args(argv)
     engine, timer, (model_name, max_len, vocab) = run_engine(args, args.breakdown)
     baselines = run_baseline(args, vocab, max_len) if args.baseline != "none" else []
@@ -175,10 +181,15 @@ def main(argv: list[str] | None = None) -> None:
         if args.dollars_per_hour is not None:
             r["dollars_per_million_output_tokens"] = (
                 args.dollars_per_hour / 3600 / r["output_tok_per_s"] * 1e6)
-    result = {"model": model_name, "distribution": args.distribution,
+    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_avg": os.getloadavg(),
+              "num_threads": torch.get_num_threads(),
+              "model": model_name, "distribution": args.distribution,
               "num_requests": args.num_requests, "workload_seed": args.workload_seed,
               "max_output_len": args.max_output_len, "pagedserve": engine,
               "baselines": baselines, "best_baseline_batch_size": best and best["batch_size"]}
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
     if args.json:
         print(json.dumps(result))
     else:

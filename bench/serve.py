@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-model", default=None, help="model for the baseline server "
                    "(HF directory or .gguf; default: the bundled model)")
     p.add_argument("--baseline-batch-size", type=int, default=8)
+    p.add_argument("--baseline-num-threads", type=int, default=None,
+                   help="torch threads of the baseline server (match the server under test)")
     p.add_argument("--baseline-url", default=None,
                    help="use an hf-static server already running there instead of starting one")
     p.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "plots")
@@ -124,11 +126,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def baseline_server(model: str | None, batch_size: int, startup_timeout: float = 600.0):
+def baseline_server(model: str | None, batch_size: int, startup_timeout: float = 600.0,
+                    num_threads: int | None = None):
     """Start bench/hf_static_server.py on a free loopback port; yields its base URL."""
     port = free_port()
     cmd = [sys.executable, "-m", "bench.hf_static_server", "--port", str(port),
            "--batch-size", str(batch_size)] + (["--model", model] if model else [])
+    cmd += ["--num-threads", str(num_threads)] if num_threads else []
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -197,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.baseline == "hf-static" and args.baseline_url:
         systems["hf-static"] = asyncio.run(sweep(args, args.baseline_url.rstrip("/"), "hf-static"))
     elif args.baseline == "hf-static":
-        with baseline_server(args.baseline_model, args.baseline_batch_size) as url:
+        with baseline_server(args.baseline_model, args.baseline_batch_size,
+                             num_threads=args.baseline_num_threads) as url:
             systems["hf-static"] = asyncio.run(sweep(args, url, "hf-static"))
     meta["load_avg_after"] = os.getloadavg()
     result = {"meta": meta, "systems": systems}
