@@ -81,8 +81,10 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 def _upcast(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
     # x: [..., kvh, d] from the cache -> dtype, times the per-tensor or per-head scale
-    x = x.to(dtype)
-    return x if scale is None else x * scale.to(dtype).view(-1, 1)
+    if scale is None:
+        return x.to(dtype)
+    # NOTE: scale in fp32, then one rounding: a bf16-rounded scale skews a whole head's scores.
+    return (x.float() * scale.float().view(-1, 1)).to(dtype)
 
 
 def _decode(q, k_cache, v_cache, meta, scale, scales):

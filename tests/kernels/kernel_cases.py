@@ -20,12 +20,13 @@ from kernels import AttentionMetadata, get_backend
 
 FP8 = torch.float8_e4m3fn
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# (atol, rtol) of the output against float64 on the same (rounded) inputs: the kernel's own
-# roundings are P cast to the input dtype before P @ V and the output cast.
+# (atol, rtol) of the output against float64 on the same (rounded) inputs. A kernel's own
+# roundings: scores (torch's CPU SDPA keeps them in the input dtype), P before P @ V, the output.
+# Worst seen over 40 seeds x the matrix: fp16 2.3e-3, bf16 1.9e-2 (torch); about 2x margin.
 TOLERANCES = {
     torch.float32: (2e-5, 2e-5),
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (1.6e-2, 1.6e-2),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 2e-2),
 }
 # (cached tokens, new tokens) per sequence, decodes first: lengths 1, 16, 17, 37 and chunks
 # after cached prefixes that start mid-block and on a block boundary.
