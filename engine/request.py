@@ -70,6 +70,7 @@ class Request:
         self.scheduled_time: float | None = None  # time.time() of the first admission
         self.cumulative_logprob = 0.0  # sum of the sampled tokens' logprobs (best_of, beams)
         self.children: list[Request] = []  # the other n - 1 choices, forked after the prompt
+        self.beam_candidates: list[tuple[int, float]] | None = None  # (token, logprob), top 2k
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         # priority first, then arrival; the counter breaks ties in submission order
@@ -109,3 +110,9 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self._all_token_ids.append(token_id)
+
+    def become_copy_of(self, other: Request) -> None:
+        """Take another beam's tokens (the scheduler shares its blocks): a beam fork."""
+        self._all_token_ids = list(other._all_token_ids)
+        self.block_hashes = list(other.block_hashes)
+        self.cumulative_logprob = other.cumulative_logprob

@@ -101,9 +101,7 @@ class Sampler:
     def _logprobs(
         self, raw: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]
     ) -> list[PositionLogprobs | None]:
-        # NOTE: best_of ranks choices by their summed logprobs, so it needs the sampled one.
-        wanted = [0 if r.sampling.logprobs is None and r.sampling.best_of else r.sampling.logprobs
-                  for r in requests]
+        wanted = [_logprobs_wanted(r) for r in requests]
         if all(n is None for n in wanted):
             return [None] * len(requests)
         # NOTE: logprobs of the model's own distribution, before penalties and temperature.
@@ -121,6 +119,15 @@ class Sampler:
                    zip(top_i[i, :n].tolist(), top_v[i, :n].tolist(), strict=True)] if n else []
             out.append(PositionLogprobs(int(token_ids[i]), float(chosen[i]), int(ranks[i]), top))
         return out
+
+
+def _logprobs_wanted(r: Request) -> int | None:
+    s = r.sampling
+    if s.use_beam_search:
+        return 2 * s.n  # NOTE: 2k candidates per beam always leave k that do not end
+    if s.logprobs is None and s.best_of:
+        return 0  # NOTE: best_of ranks choices by their summed logprobs: the sampled one
+    return s.logprobs
 
 
 def _has_penalty(r: Request) -> bool:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from engine import beam_search
 from engine.kv_manager import KVCacheManager
 from engine.preemption import SWAP, PreemptionCost
 from engine.request import Request, RequestStatus
@@ -74,6 +75,7 @@ class Scheduler:
         self.swapped: list[Request] = []  # sorted by sort_key; they return before admissions
         self._waiting: list[tuple[tuple, Request]] = []  # heap by sort_key
         self.groups: dict[str, list[Request]] = {}  # request id -> its live choices
+        self.beam_finished: dict[str, list[beam_search.Hypothesis]] = {}  # ended hypotheses
         self.preemptions = PreemptionStats()
 
     # ---- queue ---------------------------------------------------------------------------
@@ -124,6 +126,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:  # a beam waiting for its siblings to catch up
+                i += 1
+                continue
             if not self._allocate_or_preempt(req, n, out):
                 break  # req itself was preempted: it was the last one
             out.scheduled.append((req, n))
@@ -222,9 +227,14 @@ class Scheduler:
             if req is not row:  # fork every choice before any of them may finish
                 self._fork(row, req)
         deltas = []
+        beam_groups: set[str] = set()
         for req, token, logprobs in zip(out.sampling, sampled.token_ids, sampled.logprobs,
                                         strict=True):
             req.children = []
+            if req.sampling.use_beam_search:
+                req.beam_candidates = [(t.token_id, t.logprob) for t in logprobs.top]
+                beam_groups.add(req.request_id)
+                continue
             if logprobs is not None:
                 req.cumulative_logprob += logprobs.logprob
             req.append_token(token)
@@ -233,6 +243,85 @@ class Scheduler:
                 self._finish(req, status)
             shown = None if req.sampling.logprobs is None else [logprobs]
             deltas.append(_delta(req, [token], shown))
+        for rid in beam_groups:
+            deltas += self._beam_step(rid)
+        return deltas
+
+    # ---- beam search -----------------------------------------------------------------------
+
+    def _beam_step(self, rid: str) -> list[TokenDelta]:
+        """Once every live beam of the group has its candidates: keep the k best
+        continuations, forking beams that continue twice and parking those that end."""
+        group = self.groups[rid]
+        live = [r for r in group if r.status == RequestStatus.RUNNING]
+        if any(r.beam_candidates is None for r in live):
+            return []  # NOTE: a sibling was preempted this step; select when it catches up
+        unique: dict[tuple[int, ...], Request] = {}
+        for r in live:  # right after the prompt all k beams are the same beam
+            unique.setdefault(tuple(r.output_token_ids), r)
+        beams = list(unique.values())
+        s = beams[0].sampling
+        ends = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos_token_ids))
+        chosen, ended = beam_search.select(
+            [(r.output_token_ids, r.cumulative_logprob, r.beam_candidates) for r in beams],
+            s.n, frozenset(ends), [r.num_output_tokens + 1 > s.min_tokens for r in beams])
+        finished = self.beam_finished.setdefault(rid, [])
+        finished.extend(ended)
+        keep: dict[int, beam_search.Continuation] = {}
+        extra: list[beam_search.Continuation] = []
+        for c in chosen:
+            if c.parent in keep:
+                extra.append(c)  # a second continuation of one beam: fork a spare into it
+            else:
+                keep[c.parent] = c
+        keepers = {id(beams[p]) for p in keep}
+        spares = [r for r in group if id(r) not in keepers]
+        for r in spares:
+            self._park(r)
+        assigned = [(beams[p], c) for p, c in keep.items()]
+        for c in extra:
+            r = spares.pop()
+            r.become_copy_of(beams[c.parent])
+            self._fork(beams[c.parent], r)
+            assigned.append((r, c))
+        for r, c in assigned:
+            r.append_token(c.token_id)
+            r.cumulative_logprob = c.score
+        for r in group:
+            r.beam_candidates = None
+        return self._beam_finish_if_done(rid, [r for r, _ in assigned])
+
+    def _park(self, req: Request) -> None:
+        """A beam with no continuation keeps its place (index) in the group but no blocks."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+
+    def _beam_finish_if_done(self, rid: str, live: list[Request]) -> list[TokenDelta]:
+        group = self.groups[rid]
+        s = group[0].sampling
+        finished = self.beam_finished[rid]
+        longest = max((r.num_tokens for r in live), default=0)
+        out_len = max((r.num_output_tokens for r in live), default=0)
+        best_live = max((r.cumulative_logprob for r in live), default=float("-inf"))
+        if (live and out_len < max(r.max_tokens for r in live)
+                and longest < self.config.max_model_len
+                and not beam_search.done(finished, best_live, out_len, s.n, s.length_penalty)):
+            return []
+        hyps = finished + [beam_search.Hypothesis(r.output_token_ids, r.cumulative_logprob,
+                                                  False) for r in live]
+        top = beam_search.best(hyps, s.n, s.length_penalty)
+        first = group[0]
+        deltas = [
+            TokenDelta(request_id=rid, new_token_ids=h.token_ids, index=i,
+                       finish_reason="stop" if h.finished else "length",
+                       cumulative_logprob=h.score, num_prompt_tokens=first.num_prompt_tokens,
+                       num_cached_tokens=first.num_cached_tokens)
+            for i, h in enumerate(top)
+        ]
+        for r in list(group):
+            self._finish(r, RequestStatus.FINISHED_STOPPED)  # the last one drops the group
         return deltas
 
     def _fork(self, parent: Request, child: Request) -> None:
@@ -271,6 +360,7 @@ class Scheduler:
         group.remove(req)
         if not group:
             del self.groups[req.request_id]
+            self.beam_finished.pop(req.request_id, None)
 
 
 def _delta(req: Request, tokens: list[int], logprobs=None) -> TokenDelta:

@@ -28,6 +28,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     include_stop_str_in_output: bool = False
     n: int = 1  # choices returned; they share the prompt's KV blocks (copy-on-write)
     best_of: int | None = None  # sample this many choices, return the n most likely
+    use_beam_search: bool = False  # beam search of width n; outputs arrive when it ends
+    length_penalty: float = 1.0  # beam scores are divided by length ** length_penalty
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
@@ -56,6 +58,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         _check(
             self.best_of is None or self.n <= self.best_of <= 64, "best_of", "must be in [n, 64]"
         )
+        _check(_finite(self.length_penalty), "length_penalty", "must be finite")
+        if self.use_beam_search:
+            _check(self.best_of is None, "best_of", "cannot be combined with use_beam_search")
+            _check(self.logprobs is None, "logprobs", "is not supported with use_beam_search")
 
     @property
     def num_choices(self) -> int:

@@ -153,19 +153,23 @@ def test_tiny_model_greedy_parity_with_hf(make_core, tiny_model_dir):
         assert outputs[str(i)] == ref[0, len(p):].tolist(), f"prompt {i}"
 
 
-def peak_blocks_in_use(core) -> tuple[dict[tuple[str, int], list[int]], int]:
-    outputs: dict[tuple[str, int], list[int]] = {}
+def peak_blocks_in_use(core) -> tuple[dict[tuple[str, int], list], int]:
+    """(token, logprob) per choice, and the most blocks held at once."""
+    outputs: dict[tuple[str, int], list] = {}
     peak = 0
     while core.has_unfinished_requests():
         for d in core.step():
-            outputs.setdefault((d.request_id, d.index), []).extend(d.new_token_ids)
+            logprobs = [p.logprob for p in d.logprobs or []]
+            outputs.setdefault((d.request_id, d.index), []).extend(
+                zip(d.new_token_ids, logprobs, strict=True))
         peak = max(peak, core.num_gpu_blocks - core.kv.num_free_blocks)
     return outputs, peak
 
 
 def test_n_choices_share_prompt_blocks_and_match_single_requests(make_core):
     p = prompt(70, 3)  # 4 full blocks of 16 and a partial one, shared by all choices
-    params = dict(temperature=50.0, max_tokens=20, ignore_eos=True)  # a peaked tiny model
+    # a peaked tiny model: a high temperature for diverse choices; logprobs expose the KV
+    params = dict(temperature=8.0, max_tokens=20, ignore_eos=True, logprobs=0)
     shared = make_core(enable_prefix_caching=False)
     add(shared, "g", p, SamplingParams(n=4, seed=100, **params))
     grouped, peak_shared = peak_blocks_in_use(shared)
@@ -174,7 +178,9 @@ def test_n_choices_share_prompt_blocks_and_match_single_requests(make_core):
         add(singles, f"s{i}", p, SamplingParams(seed=100 + i, **params))
     alone, peak_alone = peak_blocks_in_use(singles)
     for i in range(4):
-        assert grouped[("g", i)] == alone[(f"s{i}", 0)]
+        got, want = grouped[("g", i)], alone[(f"s{i}", 0)]
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
     assert len({tuple(v) for v in grouped.values()}) > 1  # the choices really differ
     print(f"peak KV blocks: n=4 shared {peak_shared}, four requests {peak_alone}")
     # 5 prompt blocks held once instead of 4 times, the partial one copied on first write
@@ -203,4 +209,50 @@ def test_abort_ends_every_choice(make_core):
     deltas = core.abort_requests(["g"])
     assert sorted(d.index for d in deltas) == [0, 1, 2]
     assert all(d.finish_reason == "abort" for d in deltas)
+    assert core.kv.num_free_blocks == core.num_gpu_blocks
+
+
+def reference_beam_search(hf, prompt_ids, width, steps):
+    """Beam search with HF's full forward for every beam (no KV cache, no sharing)."""
+    beams = [([], 0.0)]
+    for _ in range(steps):
+        candidates = []
+        for tokens, score in beams:
+            logits = hf(torch.tensor([prompt_ids + tokens])).logits[0, -1].float()
+            top = logits.log_softmax(-1).topk(2 * width)
+            candidates += [(score + float(lp), tokens + [int(t)])
+                           for lp, t in zip(top.values, top.indices, strict=True)]
+        candidates.sort(key=lambda c: -c[0])
+        beams = [(t, s) for s, t in candidates[:width]]
+    return beams
+
+
+def test_beam_search_matches_a_reference_without_kv_sharing(make_core, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    p = prompt(21, 4)  # the shared partial block is copied on the beams' first writes
+    core = make_core(block_size=16)
+    add(core, "beam", p, SamplingParams(n=3, use_beam_search=True, max_tokens=6,
+                                        ignore_eos=True, length_penalty=0.0))
+    finals = {}
+    while core.has_unfinished_requests():
+        for d in core.step():
+            assert d.finished, "beam search streams nothing before it ends"
+            finals[d.index] = (d.new_token_ids, d.cumulative_logprob)
+    with torch.no_grad():
+        expected = reference_beam_search(hf, p, 3, 6)
+    assert [finals[i][0] for i in range(3)] == [t for t, _ in expected]
+    for i, (_, score) in enumerate(expected):
+        assert abs(finals[i][1] - score) < 1e-3
+    assert core.kv.num_free_blocks == core.num_gpu_blocks
+
+
+def test_beam_search_abort_ends_every_beam(make_core):
+    core = make_core()
+    add(core, "beam", prompt(9), SamplingParams(n=2, use_beam_search=True, max_tokens=50,
+                                                ignore_eos=True))
+    for _ in range(4):
+        assert core.step() == []
+    assert sorted(d.index for d in core.abort_requests(["beam"])) == [0, 1]
     assert core.kv.num_free_blocks == core.num_gpu_blocks

@@ -128,3 +128,18 @@ def test_stop_string_on_one_choice_stops_only_that_choice(llm):
     assert out[0].finish_reason == "stop"
     assert out[0].text == first[0].text[: first[0].text.index(stop)]
     assert llm.engine.kv.num_free_blocks == 64
+
+
+def test_beam_search_outputs_ranked_choices(llm):
+    params = SamplingParams(n=3, use_beam_search=True, max_tokens=5, ignore_eos=True)
+    out = llm.generate("The weather", params)[0]
+    assert len(out.outputs) == 3
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    scores = [c.cumulative_logprob for c in out.outputs]
+    assert scores == sorted(scores, reverse=True)
+    greedy = llm.generate("The weather", SamplingParams(temperature=0, max_tokens=5,
+                                                         ignore_eos=True, logprobs=0))[0]
+    greedy_score = sum(lp[t] for t, lp in zip(greedy.token_ids, greedy.logprobs, strict=True))
+    assert scores[0] >= greedy_score - 1e-4  # the best beam is at least as likely as greedy
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=2, best_of=3, use_beam_search=True)
