@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET  # the real compiler, not the CPU interpreter
 PY=${PYTHON:-python3}
+status=0  # NOTE: a failing step does not stop the rest: a GPU session is rare, get every number
 
 echo "== gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -15,9 +16,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name())"
 
 echo "== kernel tests on cuda: every backend against float64 (tests/kernels/kernel_cases.py)"
-timeout 240 "$PY" tests/kernels/kernel_cases.py --device cuda --backends torch,triton,flash_attn
+timeout 240 "$PY" tests/kernels/kernel_cases.py --device cuda --backends torch,triton,flash_attn \
+  || status=$?
 
 echo "== timings (goals: decode >= 80% of copy bandwidth at batch 64, ctx 4096;"
 echo "   prefill >= 50% of the bf16 matmul rate at 8k tokens)"
-timeout 240 "$PY" -m bench.attention --device cuda --backends torch,triton,flash_attn
-echo "== gpu_check done"
+timeout 240 "$PY" -m bench.attention --device cuda --backends torch,triton,flash_attn || status=$?
+echo "== gpu_check done (status $status)"
+exit "$status"

@@ -159,9 +159,7 @@ def decode_attention(
     nd, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     cfg = decode_config(head_dim)
-    split_len = triton.cdiv(triton.cdiv(max(meta.max_decode_seq_len, 1), num_splits),
-                            cfg.block_n) * cfg.block_n
-    num_splits = min(triton.cdiv(max(meta.max_decode_seq_len, 1), split_len), MAX_SPLITS)
+    split_len, num_splits = split_plan(meta.max_decode_seq_len, num_splits, cfg.block_n)
     split = num_splits > 1
     part_out = part_lse = out  # unused unless split
     if split:
@@ -185,6 +183,14 @@ def decode_attention(
             out, part_out, part_lse, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P2=_p2(head_dim), SPLITS_P2=MAX_SPLITS, num_warps=4,
         )
+
+
+def split_plan(max_seq_len: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """(keys per split, a multiple of block_n; splits that the longest sequence reaches)."""
+    max_seq_len = max(max_seq_len, 1)
+    per_split = triton.cdiv(max_seq_len, min(num_splits, MAX_SPLITS))
+    split_len = triton.cdiv(per_split, block_n) * block_n
+    return split_len, triton.cdiv(max_seq_len, split_len)
 
 
 def num_splits_for(num_decodes: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:

@@ -34,7 +34,10 @@ BATCHES = {
     "decode": [(0, 1), (15, 1), (16, 1), (36, 1)],
     "prefill": [(0, 17), (0, 16), (0, 5)],
     "mixed": [(16, 1), (0, 1), (40, 1), (0, 17), (5, 16), (16, 7), (33, 3)],
+    # long enough decodes that 3 KV splits of 128 keys are all used, some partly or not at all
+    "long_decode": [(300, 1), (150, 1), (5, 1), (0, 17)],
 }
+MATRIX_BATCHES = ("decode", "prefill", "mixed")
 
 
 @dataclass
@@ -228,12 +231,17 @@ def enter_interpreter() -> None:
 
 def matrix(backend: str) -> list[dict]:
     cases = [dict(backend=backend, batch_name=bn, group=g, dtype=dt)
-             for bn in BATCHES for g in (1, 3, 4, 8) for dt in DTYPES]
+             for bn in MATRIX_BATCHES for g in (1, 3, 4, 8) for dt in DTYPES]
     cases += [dict(backend=backend, batch_name="mixed", group=4, dtype=dt, kv_dtype="fp8_e4m3",
                    scales=sc) for dt in ("float16", "bfloat16") for sc in (None, "tensor", "head")]
     if backend == "triton":
-        cases += [dict(backend=backend, batch_name="mixed", group=g, dtype="bfloat16", mode=m)
-                  for g in (1, 8) for m in ("varlen", "split3")]
+        cases += [dict(backend=backend, batch_name="mixed", group=g, dtype="bfloat16",
+                       mode="varlen") for g in (1, 8)]
+        cases += [dict(backend=backend, batch_name="long_decode", group=g, dtype=dt, mode=m,
+                       **kv) for g, dt, m, kv in (
+                           (1, "float32", "split3", {}), (8, "bfloat16", "split3", {}),
+                           (4, "float16", "split3", dict(kv_dtype="fp8_e4m3", scales="head")),
+                           (4, "bfloat16", "varlen", {}))]
     return cases
 
 

@@ -41,3 +41,15 @@ def test_engine_greedy_triton_equals_torch(interpreter, tiny_model_dir, kv_cache
                                     kv_cache_dtype)
     torch_ids = kc.engine_greedy(str(tiny_model_dir), "torch", 4, kv_cache_dtype)
     assert triton_ids.result(CASE_TIMEOUT_S) == torch_ids
+
+
+def test_split_plan_covers_every_key():
+    from kernels.triton_backend import MAX_SPLITS, num_splits_for, split_plan
+
+    assert split_plan(301, 3, 128) == (128, 3)  # the long_decode cases really split
+    assert split_plan(41, 3, 128) == (128, 1)  # short sequences fall back to one split
+    for max_len, want in ((1, 1), (5000, 7), (100_000, 500)):
+        split_len, n = split_plan(max_len, want, 64)
+        assert split_len % 64 == 0 and n <= MAX_SPLITS and n * split_len >= max_len
+    assert num_splits_for(64, 8, 4096, 132) == 1  # 512 programs fill an H200
+    assert num_splits_for(1, 8, 32768, 132) == 33  # 8 programs: split to ~2 per SM
