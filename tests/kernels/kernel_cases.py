@@ -234,6 +234,10 @@ def matrix(backend: str) -> list[dict]:
              for bn in MATRIX_BATCHES for g in (1, 3, 4, 8) for dt in DTYPES]
     cases += [dict(backend=backend, batch_name="mixed", group=4, dtype=dt, kv_dtype="fp8_e4m3",
                    scales=sc) for dt in ("float16", "bfloat16") for sc in (None, "tensor", "head")]
+    # other block sizes, and a head dim that is not a power of two (masked lanes)
+    cases += [dict(backend=backend, batch_name="mixed", group=3, dtype="float32", page=p)
+              for p in (8, 32)]
+    cases += [dict(backend=backend, batch_name="mixed", group=4, dtype="bfloat16", head_dim=24)]
     if backend == "triton":
         cases += [dict(backend=backend, batch_name="mixed", group=g, dtype="bfloat16",
                        mode="varlen") for g in (1, 8)]
