@@ -102,8 +102,10 @@ def _attend_tile(
     kv_head, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    # one online-softmax step over keys [start_n, start_n + BLOCK_N) of one KV head
+    # one online-softmax step over keys [start_n, start_n + BLOCK_N) of one KV head;
+    # MASKED=False: every key of the tile is visible to every row (no causal or length mask)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_P2)
     n_ok = offs_n < kv_end
@@ -119,8 +121,9 @@ def _attend_tile(
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-    visible = (offs_n[None, :] < allowed_end[:, None]) & n_ok[None, :]
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        visible = (offs_n[None, :] < allowed_end[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # NOTE: a row with nothing visible yet keeps m = -inf; guard so exp2 sees no (-inf) - (-inf).
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -183,11 +186,20 @@ def paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start_n in range(0, kv_end, BLOCK_N):
+    # keys before the block's first query position are visible to all its rows: those tiles
+    # skip the mask; only the tiles on the diagonal pay for it
+    unmasked_end = (context_len + q_block * block_q + 1) // BLOCK_N * BLOCK_N
+    for start_n in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_n, kv_end, qk_scale,
             allowed_end, kv_head, stride_cb, stride_cs, stride_ch,
-            HEAD_DIM, HEAD_DIM_P2, PAGE_SIZE, BLOCK_N, UPCAST, DOT_PRECISION,
+            HEAD_DIM, HEAD_DIM_P2, PAGE_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, False,
+        )
+    for start_n in range(unmasked_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_n, kv_end, qk_scale,
+            allowed_end, kv_head, stride_cb, stride_cs, stride_ch,
+            HEAD_DIM, HEAD_DIM_P2, PAGE_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, True,
         )
     l_i = tl.where(row_ok, l_i, 1.0)
     out = acc * (v_scale / l_i)[:, None]
@@ -239,7 +251,7 @@ def decode_kernel(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_n, kv_end, qk_scale,
             allowed_end, kv_head, stride_cb, stride_cs, stride_ch,
-            HEAD_DIM, HEAD_DIM_P2, PAGE_SIZE, BLOCK_N, UPCAST, DOT_PRECISION,
+            HEAD_DIM, HEAD_DIM_P2, PAGE_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, True,
         )
     empty = l_i == 0.0  # a split past the end of a short sequence
     out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]

@@ -34,8 +34,9 @@ BATCHES = {
     "decode": [(0, 1), (15, 1), (16, 1), (36, 1)],
     "prefill": [(0, 17), (0, 16), (0, 5)],
     "mixed": [(16, 1), (0, 1), (40, 1), (0, 17), (5, 16), (16, 7), (33, 3)],
-    # long enough decodes that 3 KV splits of 128 keys are all used, some partly or not at all
-    "long_decode": [(300, 1), (150, 1), (5, 1), (0, 17)],
+    # decodes long enough that 3 KV splits of 128 keys are all used, some partly or not at all;
+    # a chunk after a long prefix and a long prefill: tiles the causal mask can skip
+    "long": [(300, 1), (150, 1), (5, 1), (200, 20), (0, 150)],
 }
 MATRIX_BATCHES = ("decode", "prefill", "mixed")
 
@@ -238,10 +239,11 @@ def matrix(backend: str) -> list[dict]:
     cases += [dict(backend=backend, batch_name="mixed", group=3, dtype="float32", page=p)
               for p in (8, 32)]
     cases += [dict(backend=backend, batch_name="mixed", group=4, dtype="bfloat16", head_dim=24)]
+    cases += [dict(backend=backend, batch_name="long", group=4, dtype="float32")]
     if backend == "triton":
         cases += [dict(backend=backend, batch_name="mixed", group=g, dtype="bfloat16",
                        mode="varlen") for g in (1, 8)]
-        cases += [dict(backend=backend, batch_name="long_decode", group=g, dtype=dt, mode=m,
+        cases += [dict(backend=backend, batch_name="long", group=g, dtype=dt, mode=m,
                        **kv) for g, dt, m, kv in (
                            (1, "float32", "split3", {}), (8, "bfloat16", "split3", {}),
                            (4, "float16", "split3", dict(kv_dtype="fp8_e4m3", scales="head")),
