@@ -95,6 +95,10 @@ class EngineCore:
         self._count(out)
         return self.scheduler.update(out, sampled)
 
+    def cached_block_hashes(self) -> list[bytes]:
+        """Hashes of the blocks in the prefix cache (reported to the gateway for routing)."""
+        return list(self.kv.pool.cached)
+
     def stats(self) -> EngineStats:
         p = self.scheduler.preemptions
         return EngineStats(

@@ -8,22 +8,10 @@ cache under a hash chain and stay there, even when free, until their block is re
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 
 from engine.request import Request
-
-BlockHash = bytes
-
-
-def hash_block(parent: BlockHash | None, token_ids: list[int], extra: bytes = b"") -> BlockHash:
-    """Chained hash of one full block: (parent hash, its token ids, extra keys such as a salt)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"root")
-    h.update(array("q", token_ids).tobytes())
-    h.update(extra)
-    return h.digest()
+from ipc.prefix_hash import BlockHash, hash_block  # NOTE: in ipc, so the gateway routes by it
 
 
 class BlockPool:
@@ -205,6 +193,13 @@ class KVCacheManager:
         self.pending_copies.append(("gpu_to_gpu", old, fresh))
         self.pool.release([old])
         req.block_ids[idx] = fresh
+
+    def trim(self, req: Request) -> None:
+        """Give back blocks past the computed tokens (the slots of rejected draft tokens)."""
+        keep = self.blocks_needed(req.num_computed_tokens)
+        if len(req.block_ids) > keep:
+            self.pool.release(list(reversed(req.block_ids[keep:])))
+            del req.block_ids[keep:]
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (the last partial one too)."""

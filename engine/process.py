@@ -32,6 +32,7 @@ from ipc.messages import (
     ToEngine,
     TokenDelta,
 )
+from ipc.prefix_hash import pack_digest
 from ipc.sd_notify import Notifier
 from ipc.transport import EngineSockets
 
@@ -181,7 +182,8 @@ class EngineLoop:
         self._notifier.watchdog()  # NOTE: also from the busy loop: a hung step stops it
         stats = self._core.stats()
         self._send(Heartbeat(step=self._steps, queue_depth=self._inputs.qsize() + stats.num_waiting,
-                             stats=stats, incarnation=self._incarnation))
+                             stats=stats, incarnation=self._incarnation,
+                             prefix_digest=_prefix_digest(self._core)))
         if self._opts.parent_pid is not None and os.getppid() != self._opts.parent_pid:
             log.warning("parent process %d is gone; shutting down", self._opts.parent_pid)
             self.request_shutdown(0.0)
@@ -247,6 +249,12 @@ class EngineLoop:
             self._sockets.send_output(msg)
 
 
+def _prefix_digest(core: Core) -> bytes:
+    # NOTE: optional in the core's interface (test doubles have no prefix cache).
+    hashes = getattr(core, "cached_block_hashes", None)
+    return pack_digest(hashes()) if hashes is not None else b""
+
+
 def _error(request_id: str, message: str) -> TokenDelta:
     return TokenDelta(request_id=request_id, finish_reason=FINISH_ERROR, error=message)
 
@@ -287,6 +295,7 @@ def ready_message(core: Core, incarnation: str) -> EngineReady:
         num_cpu_blocks=getattr(core, "num_cpu_blocks", 0),
         incarnation=incarnation, eos_token_ids=list(core.eos_token_ids),
         tokenizer=core.tokenizer_dir,
+        max_num_seqs=getattr(getattr(core, "config", None), "max_num_seqs", 0),
     )
 
 

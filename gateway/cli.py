@@ -79,6 +79,10 @@ def _add_engine_process_args(parser: argparse.ArgumentParser) -> None:
                        help="seconds without a heartbeat before the engine is declared dead")
     group.add_argument("--engine-startup-timeout", type=float, default=300.0,
                        help="seconds the first engine may take to become ready")
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engines (each with its own KV cache) behind this gateway, routed "
+                            "by prefix cache then load; with --attach-engine, > 1 adopts every "
+                            "engine that connects (see docs/scale-out.md)")
 
 
 def check_args(ns: argparse.Namespace) -> EngineConfig:
@@ -88,6 +92,8 @@ def check_args(ns: argparse.Namespace) -> EngineConfig:
     for flag in ("shutdown_timeout", "engine_heartbeat_timeout", "engine_startup_timeout"):
         if getattr(ns, flag) < 0 or (flag != "shutdown_timeout" and getattr(ns, flag) == 0):
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
+    if ns.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be >= 1")
     if ns.attach_engine and not (ns.engine_input_addr and ns.engine_output_addr):
         raise ValueError("--attach-engine needs --engine-input-addr and --engine-output-addr")
     return config_from_args(ns)
@@ -137,10 +143,19 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
 async def serve(ns: argparse.Namespace) -> int:
     """Serve until drained; returns the exit status (ipc.exit_codes)."""
     from gateway.engine_client import EngineClient, EngineUnavailableError
+    from gateway.engine_pool import EnginePool
 
-    client = EngineClient(config_from_args(ns), heartbeat_timeout=ns.engine_heartbeat_timeout,
-                          startup_timeout=ns.engine_startup_timeout, spawn=not ns.attach_engine,
-                          input_addr=ns.engine_input_addr, output_addr=ns.engine_output_addr)
+    client: EngineClient | EnginePool
+    if ns.data_parallel_size > 1:
+        client = EnginePool(config_from_args(ns), size=ns.data_parallel_size,
+                            heartbeat_timeout=ns.engine_heartbeat_timeout,
+                            startup_timeout=ns.engine_startup_timeout, spawn=not ns.attach_engine,
+                            input_addr=ns.engine_input_addr, output_addr=ns.engine_output_addr)
+    else:
+        client = EngineClient(config_from_args(ns), heartbeat_timeout=ns.engine_heartbeat_timeout,
+                              startup_timeout=ns.engine_startup_timeout,
+                              spawn=not ns.attach_engine, input_addr=ns.engine_input_addr,
+                              output_addr=ns.engine_output_addr)
     gateway = Gateway(client, settings_from_args(ns))
     config = uvicorn.Config(build_app(client, gateway=gateway), host=ns.host, port=ns.port,
                             lifespan="off", access_log=False, log_level=ns.log_level,

@@ -25,6 +25,7 @@ from ipc.messages import (
     EngineDead,
     EngineReady,
     EngineStats,
+    FromEngine,
     Heartbeat,
     Shutdown,
     StepOutputs,
@@ -96,9 +97,12 @@ class EngineClient:
                  restart: bool = True, input_addr: str | None = None,
                  output_addr: str | None = None, spawn: bool = True,
                  startup_timeout: float = 300.0, heartbeat_interval: float = 1.0,
-                 engine_command: Sequence[str] | None = None) -> None:
+                 engine_command: Sequence[str] | None = None,
+                 sockets: GatewaySockets | None = None) -> None:
         """`engine_command` is the argv prefix that starts an engine (default: python -m
-        engine); the config, addresses and incarnation flags are appended to it."""
+        engine); the config, addresses and incarnation flags are appended to it. `sockets`:
+        shared with other clients (gateway.engine_pool), which then owns them and feeds this
+        client through `on_handshake` / `on_output`."""
         self.config = config
         self.heartbeat_timeout = heartbeat_timeout
         self.heartbeat_interval = heartbeat_interval
@@ -112,7 +116,8 @@ class EngineClient:
         self.last_error: str | None = None  # why the engine last died
         self.restarts = 0  # engines started after the first
         self._ready = asyncio.Event()
-        self._sockets: GatewaySockets | None = None
+        self._sockets: GatewaySockets | None = sockets
+        self._shared = sockets is not None
         self._proc: asyncio.subprocess.Process | None = None
         self._incarnation: str | None = None
         self._identity: bytes | None = None
@@ -159,11 +164,14 @@ class EngineClient:
     async def start(self) -> None:
         """Bind, spawn the engine and wait for its EngineReady (EngineUnavailableError if it
         dies or takes longer than startup_timeout first)."""
-        defaults = default_addresses()
-        self._sockets = GatewaySockets(self._addrs[0] or defaults[0], self._addrs[1] or defaults[1])
+        if not self._shared:
+            defaults = default_addresses()
+            self._sockets = GatewaySockets(self._addrs[0] or defaults[0],
+                                           self._addrs[1] or defaults[1])
+            self._spawn_task(self._handshake_loop())
+            self._spawn_task(self._output_loop())
         self._first_ready = asyncio.get_running_loop().create_future()
-        for coro in (self._handshake_loop(), self._output_loop(), self._watchdog()):
-            self._spawn_task(coro)
+        self._spawn_task(self._watchdog())
         if self.spawn:
             await self._launch()
         try:
@@ -206,7 +214,7 @@ class EngineClient:
         if self._proc is not None and self._proc is not proc:  # NOTE: a restart raced us
             _killpg(self._proc, signal.SIGKILL)
             await self._proc.wait()
-        if self._sockets is not None:
+        if self._sockets is not None and not self._shared:
             self._sockets.close()
 
     # ---- requests -----------------------------------------------------------------------
@@ -254,13 +262,33 @@ class EngineClient:
     async def _handshake_loop(self) -> None:
         assert self._sockets is not None
         while True:
-            identity, ready = await self._sockets.recv_handshake()
-            # NOTE: engines repeat EngineReady about once a second; only a new one counts.
-            if self.ready or self._closing or ready.incarnation in self._dead:
-                continue
-            if self.spawn and ready.incarnation != self._incarnation:
-                continue  # an engine we did not start, or an old one of ours
-            self._on_ready(identity, ready)
+            self.on_handshake(*await self._sockets.recv_handshake())
+
+    def on_handshake(self, identity: bytes, ready: EngineReady) -> bool:
+        """Adopt this engine if it is the one we wait for; True when adopted."""
+        # NOTE: engines repeat EngineReady about once a second; only a new one counts.
+        if self.ready or self._closing or ready.incarnation in self._dead:
+            return False
+        if self.spawn and ready.incarnation != self._incarnation:
+            return False  # an engine we did not start, or an old one of ours
+        self._on_ready(identity, ready)
+        return True
+
+    def attach(self, identity: bytes, ready: EngineReady) -> None:
+        """Adopt an engine that attached itself to shared sockets (no start() needed)."""
+        assert self._shared and not self.spawn
+        self._first_ready = asyncio.get_running_loop().create_future()
+        self._spawn_task(self._watchdog())
+        self._on_ready(identity, ready)
+
+    @property
+    def incarnation(self) -> str | None:
+        return self._incarnation
+
+    @property
+    def dead(self) -> bool:
+        """The current engine died (or closed) and no new one is ready."""
+        return self._incarnation is None or self._incarnation in self._dead
 
     def _on_ready(self, identity: bytes, ready: EngineReady) -> None:
         self._incarnation, self._identity, self.info = ready.incarnation, identity, ready
@@ -274,20 +302,22 @@ class EngineClient:
     async def _output_loop(self) -> None:
         assert self._sockets is not None
         while True:
-            msg = await self._sockets.recv_output()
-            if msg.incarnation != self._incarnation or msg.incarnation in self._dead:
-                continue  # NOTE: outputs of an old (or not yet adopted) engine are dropped
-            match msg:
-                case StepOutputs(deltas=deltas, stats=stats):
-                    self._seen(stats)
-                    self._route(deltas)
-                case Heartbeat(stats=stats):
-                    self._seen(stats)
-                case EngineDead(reason=reason):
-                    # NOTE: it exits by itself after saying so; kill it only if it lingers.
-                    self._on_death(msg.incarnation, reason, kill_after=5.0)
-                case EngineReady():
-                    log.warning("EngineReady on the output socket ignored")
+            self.on_output(await self._sockets.recv_output())
+
+    def on_output(self, msg: FromEngine) -> None:
+        if msg.incarnation != self._incarnation or msg.incarnation in self._dead:
+            return  # NOTE: outputs of an old (or not yet adopted) engine are dropped
+        match msg:
+            case StepOutputs(deltas=deltas, stats=stats):
+                self._seen(stats)
+                self._route(deltas)
+            case Heartbeat(stats=stats):
+                self._seen(stats)
+            case EngineDead(reason=reason):
+                # NOTE: it exits by itself after saying so; kill it only if it lingers.
+                self._on_death(msg.incarnation, reason, kill_after=5.0)
+            case EngineReady():
+                log.warning("EngineReady on the output socket ignored")
 
     def _seen(self, stats: EngineStats | None) -> None:
         self._last_seen = time.monotonic()

@@ -111,6 +111,7 @@ class EngineReady(_Msg, tag="ready"):
     incarnation: str = ""
     eos_token_ids: list[int] = []
     tokenizer: str = ""  # a directory with tokenizer.json + tokenizer_config.json
+    max_num_seqs: int = 0  # most requests it runs at once (0: not reported)
 
 
 class StepOutputs(_Msg, tag="outputs"):
@@ -124,6 +125,8 @@ class Heartbeat(_Msg, tag="heartbeat"):
     queue_depth: int
     stats: EngineStats | None = None
     incarnation: str = ""
+    # ipc.prefix_hash.pack_digest of the blocks in its prefix cache (for prefix-aware routing)
+    prefix_digest: bytes = b""
 
 
 class EngineDead(_Msg, tag="dead"):

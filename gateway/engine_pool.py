@@ -1,0 +1,256 @@
+"""Data-parallel engines behind one gateway: one pair of sockets, one EngineClient per engine,
+and a router that prefers the engine holding a request's prefix, else the least loaded one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.engine_client import EngineClient, EngineUnavailableError, RequestStream
+from ipc.config import EngineConfig
+from ipc.messages import AddRequest, EngineReady, EngineStats, FromEngine, Heartbeat
+from ipc.prefix_hash import DIGEST_BYTES, prompt_block_hashes, unpack_digest
+from ipc.transport import GatewaySockets, default_addresses
+
+log = logging.getLogger("gateway.engine_pool")
+
+_RECENT_S = 10.0  # how long a routed prompt counts as cached before the engine reports it
+
+
+@dataclasses.dataclass(eq=False)
+class _Member:
+    """One engine slot and what the router knows of its prefix cache."""
+
+    client: EngineClient
+    cached: set[bytes] = dataclasses.field(default_factory=set)  # from its last heartbeat
+    recent: dict[bytes, float] = dataclasses.field(default_factory=dict)  # routed here: time
+    last_chosen: float = 0.0
+    routed: int = 0  # requests sent to it (for tests and logs)
+
+    def holds(self, key: bytes) -> bool:
+        return key in self.cached or key in self.recent
+
+    def prefix_blocks(self, keys: list[bytes]) -> int:
+        """How many leading blocks of the prompt it (probably) has cached."""
+        n = 0
+        while n < len(keys) and self.holds(keys[n]):
+            n += 1
+        return n
+
+    def free_slots(self) -> int:
+        info = self.client.info
+        limit = info.max_num_seqs if info is not None and info.max_num_seqs else 1 << 30
+        return limit - self.client.num_inflight
+
+
+class EnginePool:
+    """`size` spawned engines (or, with spawn=False, every engine that attaches to the
+    addresses), with the same interface as EngineClient for the gateway.
+
+    Routing: the engine whose prefix cache holds at least `min_prefix_ratio` of the prompt's
+    full blocks wins, unless it runs `max_imbalance` more requests than the least loaded engine;
+    otherwise the engine with the most free slots, then most free KV blocks, then the one
+    chosen least recently. A dead engine fails only its own requests.
+    """
+
+    def __init__(self, config: EngineConfig, *, size: int, spawn: bool = True,
+                 input_addr: str | None = None, output_addr: str | None = None,
+                 heartbeat_timeout: float = 5.0, heartbeat_interval: float = 1.0,
+                 startup_timeout: float = 300.0, restart: bool = True,
+                 engine_command: Sequence[str] | None = None,
+                 min_prefix_ratio: float = 0.5, max_imbalance: int = 4) -> None:
+        if size < 1:
+            raise ValueError("data_parallel_size must be >= 1")
+        self.config = config
+        self.size = size
+        self.spawn = spawn
+        self.min_prefix_ratio = min_prefix_ratio
+        self.max_imbalance = max_imbalance
+        self._addrs = (input_addr, output_addr)
+        self._client_opts = dict(heartbeat_timeout=heartbeat_timeout,
+                                 heartbeat_interval=heartbeat_interval,
+                                 startup_timeout=startup_timeout, restart=restart,
+                                 engine_command=engine_command)
+        self.startup_timeout = startup_timeout
+        self.members: list[_Member] = []
+        self._sockets: GatewaySockets | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._first_ready = asyncio.Event()
+        self._closing = False
+
+    # ---- EngineClientLike ---------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return any(m.client.ready for m in self.members)
+
+    @property
+    def info(self) -> EngineReady | None:
+        for m in self.members:
+            if m.client.ready and m.client.info is not None:
+                return m.client.info
+        return None
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """The sum of every live engine's latest stats."""
+        all_stats = [m.client.stats for m in self.members if m.client.ready and m.client.stats]
+        if not all_stats:
+            return None
+        return EngineStats(**{n: _add_up([getattr(s, n) for s in all_stats])
+                              for n in EngineStats.__struct_fields__})
+
+    @property
+    def num_inflight(self) -> int:
+        return sum(m.client.num_inflight for m in self.members)
+
+    @property
+    def last_error(self) -> str | None:
+        errors = [m.client.last_error for m in self.members if m.client.last_error]
+        return errors[-1] if errors else None
+
+    @property
+    def input_addr(self) -> str:
+        assert self._sockets is not None, "start() first"
+        return self._sockets.input_addr
+
+    @property
+    def output_addr(self) -> str:
+        assert self._sockets is not None, "start() first"
+        return self._sockets.output_addr
+
+    def submit(self, msg: AddRequest) -> RequestStream:
+        if self._closing:
+            raise EngineUnavailableError("engine pool is shutting down")
+        member = self._choose(msg)
+        stream = member.client.submit(msg)
+        member.routed += 1
+        member.last_chosen = time.monotonic()
+        for key in self._keys(msg):
+            member.recent[key] = member.last_chosen
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        for m in self.members:
+            m.client.abort(request_id)  # NOTE: a no-op on engines that do not run it
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind; spawn `size` engines and wait for all, or (attach) wait for the first."""
+        defaults = default_addresses()
+        self._sockets = GatewaySockets(self._addrs[0] or defaults[0],
+                                       self._addrs[1] or defaults[1])
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._handshake_loop()),
+                       loop.create_task(self._output_loop())]
+        try:
+            if self.spawn:
+                self.members = [_Member(self._new_client(spawn=True)) for _ in range(self.size)]
+                await asyncio.gather(*(m.client.start() for m in self.members))
+            else:
+                await asyncio.wait_for(self._first_ready.wait(), self.startup_timeout)
+        except (TimeoutError, EngineUnavailableError) as exc:
+            await self.close(timeout=0)
+            if isinstance(exc, TimeoutError):
+                raise EngineUnavailableError(
+                    f"no engine attached within {self.startup_timeout:g} s") from None
+            raise
+
+    async def close(self, timeout: float = 10.0) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        await asyncio.gather(*(m.client.close(timeout) for m in self.members))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._sockets is not None:
+            self._sockets.close()
+
+    # ---- routing ------------------------------------------------------------------------
+
+    def _keys(self, msg: AddRequest) -> list[bytes]:
+        info = self.info
+        if info is None or not self.config.enable_prefix_caching:
+            return []
+        hashes = prompt_block_hashes(msg.prompt_token_ids, info.block_size, msg.cache_salt)
+        return [h[:DIGEST_BYTES] for h in hashes]
+
+    def _choose(self, msg: AddRequest) -> _Member:
+        live = [m for m in self.members if m.client.ready]
+        if not live:
+            raise EngineUnavailableError(self.last_error or "no engine is ready")
+        least_busy = min(m.client.num_inflight for m in live)
+        keys = self._keys(msg)
+        if keys:
+            best = max(live, key=lambda m: m.prefix_blocks(keys))
+            matched = best.prefix_blocks(keys)
+            if (matched >= self.min_prefix_ratio * len(keys) and matched > 0
+                    and best.client.num_inflight <= least_busy + self.max_imbalance):
+                return best
+        return max(live, key=_capacity)
+
+    # ---- shared sockets -----------------------------------------------------------------
+
+    def _new_client(self, *, spawn: bool) -> EngineClient:
+        return EngineClient(self.config, spawn=spawn, sockets=self._sockets,
+                            **self._client_opts)  # type: ignore[arg-type]
+
+    async def _handshake_loop(self) -> None:
+        assert self._sockets is not None
+        while True:
+            identity, ready = await self._sockets.recv_handshake()
+            if any(m.client.incarnation == ready.incarnation for m in self.members):
+                for m in self.members:
+                    if m.client.incarnation == ready.incarnation:
+                        m.client.on_handshake(identity, ready)
+            elif not self.spawn and not self._closing:
+                self._adopt(identity, ready)
+            if self.ready:
+                self._first_ready.set()
+
+    def _adopt(self, identity: bytes, ready: EngineReady) -> None:
+        # NOTE: a dead attached engine's slot is dropped: its requests have failed already,
+        # and a restarted engine comes back under a new incarnation.
+        self.members = [m for m in self.members if not m.client.dead]
+        client = self._new_client(spawn=False)
+        client.attach(identity, ready)
+        self.members.append(_Member(client))
+        log.info("engine %s attached (%d engines)", ready.incarnation, len(self.members))
+
+    async def _output_loop(self) -> None:
+        assert self._sockets is not None
+        while True:
+            msg = await self._sockets.recv_output()
+            for m in self.members:
+                if m.client.incarnation == msg.incarnation:
+                    _note_cache(m, msg)
+                    m.client.on_output(msg)
+                    break
+
+
+def _add_up(values: list[Any]) -> Any:
+    """Sum counters; lists (per-position counters) add element-wise."""
+    if isinstance(values[0], list):
+        return [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)]
+    return sum(values)
+
+
+def _capacity(m: _Member) -> tuple[int, int, float]:
+    stats = m.client.stats
+    return (m.free_slots(), stats.kv_blocks_free if stats else 0, -m.last_chosen)
+
+
+def _note_cache(member: _Member, msg: FromEngine) -> None:
+    if not isinstance(msg, Heartbeat) or member.client.dead:
+        return
+    member.cached = unpack_digest(msg.prefix_digest)
+    horizon = time.monotonic() - _RECENT_S
+    member.recent = {k: t for k, t in member.recent.items() if t > horizon}
