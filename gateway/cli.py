@@ -184,6 +184,10 @@ async def serve(ns: argparse.Namespace) -> int:
              asyncio.create_task(_supervise(gateway, notifier))]
     try:
         await server.serve()
+    except SystemExit:
+        # NOTE: uvicorn exits 3 when it cannot listen, and 3 means "engine died" here.
+        log.error("listen.failed", host=ns.host, port=ns.port)
+        status = exit_codes.LISTEN_FAILED
     finally:
         for task in tasks:
             task.cancel()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -62,10 +63,11 @@ class Server:
     """`pagedserve serve` on the tiny model (tests/clients/tiny_server.py) as a subprocess whose
     exit code, children and stderr the test can inspect."""
 
-    def __init__(self, log_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, log_dir: Path, *extra: str, env: dict[str, str] | None = None,
+                 port: int | None = None) -> None:
         from tiny_server import ROOT, free_port, serve_argv
 
-        port = free_port()
+        port = port or free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.ws_url = f"ws://127.0.0.1:{port}/v1/ws"
         self.log_path = log_dir / f"serve-{port}.log"
@@ -108,7 +110,9 @@ class Server:
         self._reap_engines()
 
     def _reap_engines(self) -> None:
-        left = [pid for pid in self.engine_pids if wait_gone(pid, 5.0) is False]
+        # NOTE: spawned engines carry --parent-pid: that finds those never seen by the test.
+        pids = self.engine_pids | set(spawned_engines(self.proc.pid))
+        left = [pid for pid in pids if wait_gone(pid, 5.0) is False]
         for pid in left:
             os.kill(pid, signal.SIGKILL)
         assert not left, f"orphan engine processes {left}\n{self.log()}"
@@ -120,6 +124,12 @@ class Server:
 def children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
     return [int(p) for p, pp in (line.split() for line in out.splitlines()) if int(pp) == pid]
+
+
+def spawned_engines(gateway_pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    flag = re.compile(rf"-m engine .*--parent-pid {gateway_pid}(\s|$)")
+    return [int(line.split(None, 1)[0]) for line in out.splitlines() if flag.search(line)]
 
 
 def alive(pid: int) -> bool:

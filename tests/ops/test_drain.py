@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -107,10 +108,16 @@ async def _until_status(http: httpx.AsyncClient, path: str, status: int, within:
         await asyncio.sleep(0.02)
 
 
-def test_config_errors_exit_2(tmp_path: Path) -> None:
+def test_startup_failures_exit_2_or_5(tmp_path: Path) -> None:
     bad = Server(tmp_path, "--max-num-seqs", "0")
     assert bad.proc.wait(30) == exit_codes.CONFIG_ERROR
     assert "max_num_seqs must be >= 1" in bad.log()
     bad = Server(tmp_path, "--attach-engine")
     assert bad.proc.wait(30) == exit_codes.CONFIG_ERROR
     assert "--attach-engine needs" in bad.log()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = Server(tmp_path, port=taken.getsockname()[1])
+        assert busy.proc.wait(60) == exit_codes.LISTEN_FAILED, busy.log()
+    busy.stop()  # NOTE: checks that no engine it started is left
