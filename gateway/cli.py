@@ -89,8 +89,10 @@ def check_args(ns: argparse.Namespace) -> EngineConfig:
     """Validate what argparse cannot; returns the engine config (ValueError names the flag)."""
     if ns.max_queued_requests is not None and ns.max_queued_requests < 1:
         raise ValueError("--max-queued-requests must be >= 1")
-    for flag in ("shutdown_timeout", "engine_heartbeat_timeout", "engine_startup_timeout"):
-        if getattr(ns, flag) < 0 or (flag != "shutdown_timeout" and getattr(ns, flag) == 0):
+    if ns.shutdown_timeout < 0:
+        raise ValueError("--shutdown-timeout must be >= 0")
+    for flag in ("engine_heartbeat_timeout", "engine_startup_timeout"):
+        if getattr(ns, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
     if ns.data_parallel_size < 1:
         raise ValueError("--data-parallel-size must be >= 1")
