@@ -38,7 +38,7 @@ class EngineCore:
         source = resolve_model(config.model, config.served_model_name)
         self.model_name = source.name
         self.tokenizer_dir = str(tokenizer_dir(source, config.tokenizer))
-        model, self.model_config = load_model(source, self.dtype, self.device)
+        model, self.model_config = _load_model(config, source, self.dtype, self.device)
         self.max_model_len = _max_model_len(config, self.model_config.max_position_embeddings)
         self.block_size = config.block_size
         self.num_gpu_blocks = self._num_blocks(model)
@@ -63,6 +63,9 @@ class EngineCore:
             get_backend(config.attention_backend, self.device.type), self.device, self.kv_dtype,
             self.num_cpu_blocks,
         )
+        if config.tensor_parallel_size > 1:
+            model.start_workers(self.num_gpu_blocks, self.block_size, self.max_model_len,
+                                self.kv_dtype, self.num_cpu_blocks)
         self.block_bytes = block_bytes
         self.step_count = 0
         self._prompt_tokens = 0
@@ -186,6 +189,14 @@ class EngineCore:
         if blocks < 1:
             raise ValueError("no memory left for the KV cache: raise the memory budget")
         return blocks
+
+
+def _load_model(config: EngineConfig, source, dtype: torch.dtype, device: torch.device):
+    if config.tensor_parallel_size == 1:
+        return load_model(source, dtype, device)
+    from engine.parallel.driver import launch  # NOTE: lazy: spawns the worker processes
+
+    return launch(config, source, dtype, device)
 
 
 def _device(name: str) -> torch.device:

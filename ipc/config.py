@@ -74,9 +74,14 @@ class EngineConfig:
     num_threads: int | None = field(
         default=None, metadata={"help": "torch CPU threads (default: torch's choice)"}
     )
+    tensor_parallel_size: int = field(
+        default=1, metadata={"help": "ranks the model is split across, one process each "
+                                     "(NCCL on GPUs, gloo on CPU)"}
+    )
 
     def __post_init__(self) -> None:
-        _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens")
+        _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens",
+                  "tensor_parallel_size")
         _positive_or_none(self, "num_gpu_blocks", "max_model_len", "num_threads")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -1,0 +1,1 @@
+"""Tensor parallelism inside one engine: sharded layers, worker processes, the step ring."""

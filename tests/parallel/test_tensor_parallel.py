@@ -1,0 +1,112 @@
+"""Tensor parallel on CPU (gloo): TP=2 gives TP=1's greedy tokens and logprobs; shard plans;
+a dead worker takes its engine down with an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+
+from engine.models.config import ModelConfig
+from engine.parallel.layers import shard_plan
+from ipc.sampling import SamplingParams
+
+pytest.importorskip("engine.core")
+pytestmark = pytest.mark.timeout(240)
+PROMPTS = [[1, 5, 9, 33, 100, 7, 8], list(range(10, 60))]
+
+
+def _run(model: str | None, tp: int) -> list[tuple[list[int], list[dict[int, float]]]]:
+    from engine.llm import LLM
+
+    llm = LLM(model, device="cpu", num_gpu_blocks=64, max_model_len=256, num_threads=1,
+              tensor_parallel_size=tp)
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
+        out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        return [(r.token_ids, r.logprobs or []) for r in out]
+    finally:
+        if tp > 1:
+            llm.engine.runner.model.shutdown()
+
+
+def _assert_same(tp1, tp2) -> None:
+    for (ids1, lp1), (ids2, lp2) in zip(tp1, tp2, strict=True):
+        assert ids1 == ids2
+        for a, b in zip(lp1, lp2, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[k] - b[k]) < 1e-3 for k in a)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (6, 3)], ids=["divides", "uneven"])
+def test_tp2_matches_tp1_on_tiny_models(tmp_path: Path, bundled_tokenizer_dir: Path,
+                                        heads: tuple[int, int]) -> None:
+    from tests.conftest import build_tiny_llama
+
+    # NOTE: 6 query / 3 KV heads, MLP width 100 and vocab 49153 split unevenly over 2 ranks.
+    odd = {} if heads == (4, 2) else dict(hidden_size=96, intermediate_size=100,
+                                          vocab_size=49153)
+    model = build_tiny_llama(tmp_path, bundled_tokenizer_dir, num_attention_heads=heads[0],
+                             num_key_value_heads=heads[1], **odd)
+    _assert_same(_run(str(model), 1), _run(str(model), 2))
+
+
+def test_tp2_matches_tp1_on_the_bundled_model() -> None:
+    # NOTE: SmolLM2-135M has 9 query and 3 KV heads: ranks hold 2 and 1 GQA groups.
+    tp1, tp2 = _run(None, 1), _run(None, 2)
+    assert [ids for ids, _ in tp1] == [ids for ids, _ in tp2]
+
+
+def test_shard_plans() -> None:
+    def cfg(heads: int, kv: int) -> ModelConfig:
+        return ModelConfig(vocab_size=10, hidden_size=8 * heads, intermediate_size=7,
+                           num_layers=1, num_heads=heads, num_kv_heads=kv, head_dim=8,
+                           rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
+                           max_position_embeddings=64, tie_word_embeddings=True,
+                           eos_token_ids=(2,), bos_token_id=1)
+
+    plans = [shard_plan(cfg(9, 3), r, 2) for r in range(2)]
+    assert [(p.q_heads, p.kv_heads, p.intermediate, p.vocab) for p in plans] == [
+        ((0, 6), (0, 2), (0, 4), (0, 5)), ((6, 9), (2, 3), (4, 7), (5, 10))]
+    replicated = [shard_plan(cfg(4, 1), r, 2) for r in range(2)]  # MQA: KV head on both
+    assert [(p.q_heads, p.kv_heads) for p in replicated] == [((0, 2), (0, 1)), ((2, 4), (0, 1))]
+    with pytest.raises(ValueError, match="multiple"):
+        shard_plan(cfg(6, 2), 0, 3)
+
+
+async def test_a_dead_worker_fails_the_engine_cleanly(tiny_model_dir: Path) -> None:
+    from gateway.engine_client import EngineClient
+    from ipc.config import EngineConfig
+    from ipc.messages import AddRequest
+
+    config = EngineConfig(model=str(tiny_model_dir), device="cpu", num_gpu_blocks=64,
+                          max_model_len=256, num_threads=1, tensor_parallel_size=2)
+    client = EngineClient(config, heartbeat_timeout=20.0, heartbeat_interval=0.2,
+                          startup_timeout=120.0, restart=False)
+    await client.start()
+    try:
+        stream = client.submit(AddRequest(request_id="r", prompt_token_ids=[1, 2, 3],
+                                          sampling=SamplingParams(max_tokens=200)))
+        assert client.pid is not None
+        workers = psutil.Process(client.pid).children()
+        assert workers, "no tensor-parallel worker process"
+        os.kill(workers[-1].pid, signal.SIGKILL)
+
+        async def collect():
+            return [d async for d in stream]
+
+        deltas = await asyncio.wait_for(collect(), 30.0)
+        assert deltas[-1].finish_reason == "error"
+        for _ in range(100):
+            if client._proc is not None and client._proc.returncode is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert client._proc is not None and client._proc.returncode is not None
+        assert not client.ready and client.last_error
+    finally:
+        await client.close(timeout=2)
