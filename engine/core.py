@@ -16,7 +16,7 @@ from engine.preemption import PreemptionCost
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, SpecConfig
 from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig
 from ipc.messages import AddRequest, EngineStats, TokenDelta
@@ -52,7 +52,8 @@ class EngineCore:
         preemption = PreemptionCost(block_bytes, 2.0 * params, self.device.type,
                                     config.preemption_mode)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            _spec_config(config, self.model_config.num_layers)),
             self.kv,
             self.eos_token_ids,
             preemption,
@@ -61,7 +62,7 @@ class EngineCore:
         self.runner = ModelRunner(
             model, self.num_gpu_blocks, self.block_size, self.max_model_len, sampler,
             get_backend(config.attention_backend, self.device.type), self.device, self.kv_dtype,
-            self.num_cpu_blocks,
+            self.num_cpu_blocks, draft_layers=config.speculative_draft_layers,
         )
         if config.tensor_parallel_size > 1:
             model.start_workers(self.num_gpu_blocks, self.block_size, self.max_model_len,
@@ -103,7 +104,7 @@ class EngineCore:
         return list(self.kv.pool.cached)
 
     def stats(self) -> EngineStats:
-        p = self.scheduler.preemptions
+        p, spec = self.scheduler.preemptions, self.scheduler.spec_stats
         return EngineStats(
             step=self.step_count,
             num_running=len(self.scheduler.running),
@@ -122,6 +123,10 @@ class EngineCore:
             swap_in_bytes=p.swap_in_blocks * self.block_bytes,
             kv_cpu_blocks_total=self.num_cpu_blocks,
             kv_cpu_blocks_free=self.kv.num_free_cpu_blocks,
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_verify_steps=spec.verify_steps,
+            spec_accepted_by_position=list(spec.accepted_by_position),
         )
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -189,6 +194,15 @@ class EngineCore:
         if blocks < 1:
             raise ValueError("no memory left for the KV cache: raise the memory budget")
         return blocks
+
+
+def _spec_config(config: EngineConfig, num_layers: int) -> SpecConfig | None:
+    if config.speculative_method is None:
+        return None
+    if config.speculative_method == "self" and config.speculative_draft_layers >= num_layers:
+        raise ValueError(f"speculative_draft_layers must be < the model's {num_layers} layers")
+    return SpecConfig(config.speculative_method, config.num_speculative_tokens,
+                      config.prompt_lookup_max, config.prompt_lookup_min)
 
 
 def _load_model(config: EngineConfig, source, dtype: torch.dtype, device: torch.device):

@@ -150,7 +150,10 @@ class KVCacheManager:
         """Register the request's computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        # NOTE: accepted draft tokens count as computed before they are appended: only
+        # blocks of known tokens are hashed now, the rest on a later call.
+        computed = min(req.num_computed_tokens, req.num_tokens)
+        full = min(computed // self.block_size, len(req.block_ids))
         if full <= req.num_registered_blocks:
             return
         hashes = self.block_hashes(req)

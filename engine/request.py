@@ -71,6 +71,11 @@ class Request:
         self.cumulative_logprob = 0.0  # sum of the sampled tokens' logprobs (best_of, beams)
         self.children: list[Request] = []  # the other n - 1 choices, forked after the prompt
         self.beam_candidates: list[tuple[int, float]] | None = None  # (token, logprob), top 2k
+        self.spec_token_ids: list[int] = []  # draft tokens verified in this step
+        self.spec_draft_probs = None  # [gamma, vocab] tensor of the draft's probabilities
+        self.spec_gamma: int | None = None  # adaptive; None until the request first speculates
+        self.spec_ema = 0.5  # recent acceptance rate
+        self.spec_idle = 0  # plain steps since gamma fell to 0
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         # priority first, then arrival; the counter breaks ties in submission order

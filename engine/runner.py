@@ -11,6 +11,7 @@ import torch
 
 from engine.forward_context import ForwardContext, forward_context
 from engine.models.llama import LlamaForCausalLM
+from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
 from kernels import AttentionMetadata
@@ -28,12 +29,14 @@ class ModelRunner:
         device: torch.device,
         kv_dtype: torch.dtype,
         num_cpu_blocks: int = 0,
+        draft_layers: int | None = None,
     ) -> None:
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.sampler = sampler
+        self.draft_layers = draft_layers  # the self draft: the model's first layers
         self.backend = backend
         self.device = device
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -65,14 +68,71 @@ class ModelRunner:
         self._copy_blocks(out.block_copies)
         if out.empty:
             return None
-        input_ids, positions, meta, logits_indices = self._prepare(out)
-        ctx = ForwardContext(meta, self.kv_caches, self.backend)
-        with forward_context(ctx):
+        if out.drafts:
+            self._self_draft(out.drafts)
+        items = [(r, (r.all_token_ids + r.spec_token_ids)[r.num_computed_tokens:][:n])
+                 for r, n in out.scheduled]
+        input_ids, positions, meta, last = self._prepare(items)
+        with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
             hidden = self.model(input_ids, positions)
         if not out.sampling:
             return None
-        logits = self.model.compute_logits(hidden[logits_indices])
-        return self.sampler(logits, out.sampling)
+        return self._sample(out, hidden, last)
+
+    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, last: dict[int, int]):
+        """Sample plain requests in one batch; verify each speculating request's drafts."""
+        plain = [i for i, r in enumerate(out.sampling) if not r.spec_token_ids]
+        rows = [last[id(out.sampling_rows[i])] for i in plain]
+        spans = []  # (request, first row): gamma + 1 positions from the last real token
+        for r in out.sampling:
+            if r.spec_token_ids:
+                spans.append((r, len(rows)))
+                end = last[id(r)]
+                rows.extend(range(end - len(r.spec_token_ids), end + 1))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        result = self.sampler(logits[: len(plain)], [out.sampling[i] for i in plain])
+        tokens = dict(zip(plain, result.token_ids, strict=True))
+        logprobs = dict(zip(plain, result.logprobs, strict=True))
+        accepted: dict[int, list[int]] = {}
+        for r, start in spans:
+            i = next(j for j, s in enumerate(out.sampling) if s is r)
+            block = logits[start : start + len(r.spec_token_ids) + 1]
+            accepted[i], tokens[i] = self.sampler.verify(block, r)
+        n = len(out.sampling)
+        return SamplerOutput([tokens[i] for i in range(n)], [logprobs.get(i) for i in range(n)],
+                             [accepted.get(i, []) for i in range(n)])
+
+    def _self_draft(self, drafts: list[tuple[Request, int]]) -> None:
+        """Propose each request's draft tokens with the model's first layers and its head.
+
+        NOTE: the draft's layers are the target's, so it shares the target's KV cache: what it
+        writes for accepted positions is what the target writes again when it verifies them.
+        """
+        reqs = [r for r, _ in drafts]
+        cur = [r.all_token_ids[-1] for r in reqs]  # the newest token, not yet in the cache
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        tokens: list[list[int]] = [[] for _ in reqs]
+        for j in range(max(g for _, g in drafts)):
+            active = [i for i, (_, g) in enumerate(drafts) if g > j]
+            items = [(reqs[i], [cur[i]]) for i in active]
+            input_ids, positions, meta, last = self._prepare(items, offset=j)
+            with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
+                hidden = self.model(input_ids, positions, num_layers=self.draft_layers)
+            logits = self.model.compute_logits(hidden)
+            for row, i in enumerate(active):
+                s = reqs[i].sampling
+                if s.greedy:
+                    token = int(logits[row].argmax())
+                else:
+                    p = self.sampler.probs(logits[row : row + 1], [s])[0]
+                    token = int(torch.multinomial(p, 1, generator=reqs[i].generator
+                                                  or self.sampler.generator))
+                    probs[i].append(p)
+                tokens[i].append(token)
+                cur[i] = token
+        for i, r in enumerate(reqs):
+            r.spec_token_ids = tokens[i]
+            r.spec_draft_probs = torch.stack(probs[i]) if probs[i] else None
 
     def _copy_blocks(self, copies: list[tuple[str, int, int]]) -> None:
         """Run swap-out, swap-in and copy-on-write copies in the order they were decided."""
@@ -99,19 +159,21 @@ class ModelRunner:
                     dst_cache[dst.to(dst_cache.device)] = rows.to(dst_cache.device)
             start = end
 
-    def _prepare(self, out: SchedulerOutput):
-        reqs = [r for r, _ in out.scheduled]
-        query_lens = np.array([n for _, n in out.scheduled], dtype=np.int64)
-        computed = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+    def _prepare(self, items: list[tuple[Request, list[int]]], offset: int = 0):
+        """One varlen batch: each request's new tokens, starting at num_computed + offset.
+
+        Returns input ids, positions, attention metadata, and {id(request): index of its last
+        token in the batch}.
+        """
+        reqs = [r for r, _ in items]
+        query_lens = np.array([len(t) for _, t in items], dtype=np.int64)
+        computed = np.array([r.num_computed_tokens + offset for r in reqs], dtype=np.int64)
         seq_lens = computed + query_lens
         qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=qsl[1:])
         num_tokens = int(qsl[-1])
 
-        ids: list[int] = []
-        for r, n in out.scheduled:
-            c = r.num_computed_tokens
-            ids.extend(r.all_token_ids[c : c + n])
+        ids = [t for _, tokens in items for t in tokens]
         seq_of_token = np.repeat(np.arange(len(reqs)), query_lens)
         positions = np.arange(num_tokens) - qsl[:-1][seq_of_token] + computed[seq_of_token]
 
@@ -124,7 +186,6 @@ class ModelRunner:
 
         num_decodes = int(np.count_nonzero(query_lens == 1))
         last_token = {id(r): int(qsl[i + 1]) - 1 for i, r in enumerate(reqs)}
-        logits_indices = [last_token[id(r)] for r in out.sampling_rows]
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.from_numpy(qsl).to(dev, torch.int32),
@@ -137,5 +198,4 @@ class ModelRunner:
             max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return (input_ids, torch.from_numpy(positions).to(dev), meta,
-                torch.tensor(logits_indices, dtype=torch.long, device=dev))
+        return input_ids, torch.from_numpy(positions).to(dev), meta, last_token

@@ -7,18 +7,26 @@ one (from the request's own generator), so a seed gives the same tokens in any b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from engine import spec_decode
 from engine.request import Request
 from ipc.messages import PositionLogprobs, TokenLogprob
+from ipc.sampling import SamplingParams
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per sampled request
     logprobs: list[PositionLogprobs | None]  # per request, when it asked for logprobs
+    # per request, the draft tokens verification kept (before token_ids[i]); [] without drafts
+    accepted: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.accepted:
+            self.accepted = [[] for _ in self.token_ids]
 
 
 class Sampler:
@@ -80,15 +88,7 @@ class Sampler:
         if not random_rows:
             return greedy
         idx = torch.tensor(random_rows, device=self.device)
-        sub = [requests[i].sampling for i in random_rows]
-        temps = torch.tensor([s.temperature for s in sub], device=self.device)
-        x = logits[idx] / temps[:, None]
-        x = _top_k_top_p(x, [s.top_k for s in sub], [s.top_p for s in sub])
-        probs = x.softmax(dim=-1)
-        min_p = [s.min_p for s in sub]
-        if any(min_p):
-            floor = torch.tensor(min_p, device=self.device)[:, None] * probs.amax(-1, keepdim=True)
-            probs = probs.masked_fill(probs < floor, 0.0)
+        probs = self.probs(logits[idx], [requests[i].sampling for i in random_rows])
         # NOTE: argmax(p / q) with q ~ Exp(1) draws exactly from p (the exponential race).
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, i in enumerate(random_rows):
@@ -97,6 +97,34 @@ class Sampler:
                 q[row].exponential_(generator=gen)
         greedy[idx] = (probs / q).argmax(dim=-1)
         return greedy
+
+    def probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, top-k, top-p, min-p applied.
+
+        logits: [rows, vocab] (penalties already applied) -> probabilities [rows, vocab].
+        """
+        temps = torch.tensor([s.temperature for s in params], device=self.device)
+        x = logits / temps[:, None]
+        x = _top_k_top_p(x, [s.top_k for s in params], [s.top_p for s in params])
+        probs = x.softmax(dim=-1)
+        min_p = [s.min_p for s in params]
+        if any(min_p):
+            floor = torch.tensor(min_p, device=self.device)[:, None] * probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def verify(self, logits: torch.Tensor, req: Request) -> tuple[list[int], int]:
+        """Check req.spec_token_ids against the target's logits at their positions.
+
+        logits: [gamma + 1, vocab]; returns (the accepted drafts, the token after them).
+        """
+        s = req.sampling
+        target = logits if s.greedy else self.probs(logits, [s] * logits.shape[0])
+        draft = req.spec_token_ids
+        n, token = spec_decode.verify(draft, target, req.spec_draft_probs, s.greedy,
+                                      req.generator or self.generator)
+        return draft[:n], token
 
     def _logprobs(
         self, raw: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine import beam_search
+from engine import beam_search, spec_decode
 from engine.kv_manager import KVCacheManager
 from engine.preemption import SWAP, PreemptionCost
 from engine.request import Request, RequestStatus
@@ -20,10 +20,19 @@ from ipc.messages import TokenDelta
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    method: str  # ngram | self
+    num_tokens: int  # gamma at most
+    lookup_max: int = 4  # ngram sizes tried, longest first
+    lookup_min: int = 1
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    spec: SpecConfig | None = None
 
 
 @dataclass
@@ -41,6 +50,9 @@ class SchedulerOutput:
     # "gpu_to_cpu" (swap out), "cpu_to_gpu" (swap in), "gpu_to_gpu" (copy-on-write)
     block_copies: list[tuple[str, int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # requests whose draft tokens the runner proposes before the forward (self draft), with
+    # gamma each; their spec_token_ids hold placeholders until then
+    drafts: list[tuple[Request, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +89,7 @@ class Scheduler:
         self.groups: dict[str, list[Request]] = {}  # request id -> its live choices
         self.beam_finished: dict[str, list[beam_search.Hypothesis]] = {}  # ended hypotheses
         self.preemptions = PreemptionStats()
+        self.spec_stats = spec_decode.SpecStats()
 
     # ---- queue ---------------------------------------------------------------------------
 
@@ -129,6 +142,8 @@ class Scheduler:
             if n == 0:  # a beam waiting for its siblings to catch up
                 i += 1
                 continue
+            if n == 1 and budget > 1:
+                n += self._plan_speculation(req, budget - 1, out)
             if not self._allocate_or_preempt(req, n, out):
                 break  # req itself was preempted: it was the last one
             out.scheduled.append((req, n))
@@ -144,6 +159,26 @@ class Scheduler:
             if victim is req:
                 return False
         return True
+
+    def _plan_speculation(self, req: Request, room: int, out: SchedulerOutput) -> int:
+        """Draft tokens for a decoding request (0 when it does not speculate now)."""
+        spec = self.config.spec
+        if spec is None or not _can_speculate(req):
+            return 0
+        if req.spec_gamma is None:
+            req.spec_gamma = spec.num_tokens
+        left = min(req.max_tokens - req.num_output_tokens,
+                   self.config.max_model_len - req.num_tokens) - 1
+        gamma = min(spec_decode.next_gamma(req, spec.num_tokens), room, left)
+        if gamma <= 0:
+            return 0
+        if spec.method == "ngram":
+            req.spec_token_ids = spec_decode.ngram_propose(
+                req.all_token_ids, gamma, spec.lookup_max, spec.lookup_min)
+        else:
+            req.spec_token_ids = [0] * gamma  # placeholders: the runner drafts them
+            out.drafts.append((req, gamma))
+        return len(req.spec_token_ids)
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -188,7 +223,7 @@ class Scheduler:
 
     def _plan_sampling(self, out: SchedulerOutput) -> None:
         for req, n in out.scheduled:
-            if req.num_computed_tokens + n != req.num_tokens:
+            if req.num_computed_tokens + n != req.num_tokens + len(req.spec_token_ids):
                 continue  # a prefill chunk that does not reach the end yet
             out.sampling.append(req)
             out.sampling_rows.append(req)
@@ -197,6 +232,7 @@ class Scheduler:
                 out.sampling_rows.append(req)
 
     def _preempt(self, req: Request) -> None:
+        self._drop_speculation(req)
         self.running.remove(req)
         req.status = RequestStatus.PREEMPTED
         choice = self.preemption.choose(
@@ -220,6 +256,9 @@ class Scheduler:
         """Advance progress, fork choices, append sampled tokens, finish what stopped."""
         for req, n in out.scheduled:
             req.num_computed_tokens += n
+        if sampled is not None:
+            self._settle_speculation(out, sampled)
+        for req, _ in out.scheduled:
             self.kv.cache_full_blocks(req)
         if sampled is None:
             return []
@@ -228,9 +267,12 @@ class Scheduler:
                 self._fork(row, req)
         deltas = []
         beam_groups: set[str] = set()
-        for req, token, logprobs in zip(out.sampling, sampled.token_ids, sampled.logprobs,
-                                        strict=True):
+        for req, token, logprobs, accepted in zip(out.sampling, sampled.token_ids,
+                                                  sampled.logprobs, sampled.accepted, strict=True):
             req.children = []
+            if accepted:
+                deltas.append(self._append_accepted(req, accepted + [token]))
+                continue
             if req.sampling.use_beam_search:
                 req.beam_candidates = [(t.token_id, t.logprob) for t in logprobs.top]
                 beam_groups.add(req.request_id)
@@ -324,6 +366,39 @@ class Scheduler:
             self._finish(r, RequestStatus.FINISHED_STOPPED)  # the last one drops the group
         return deltas
 
+    # ---- speculative decoding ---------------------------------------------------------------
+
+    def _settle_speculation(self, out: SchedulerOutput, sampled: SamplerOutput) -> None:
+        """Roll back the KV of rejected drafts, count, and adapt each request's gamma."""
+        spec = self.config.spec
+        for req, accepted in zip(out.sampling, sampled.accepted, strict=True):
+            proposed = len(req.spec_token_ids)
+            if not proposed:
+                continue
+            # NOTE: their K/V slots were written; dropping them from the computed count
+            # means the next step overwrites them, and trim() gives back emptied blocks.
+            req.num_computed_tokens -= proposed - len(accepted)
+            self.spec_stats.record(proposed, len(accepted))
+            spec_decode.adapt_gamma(req, proposed, len(accepted), spec.num_tokens)
+            self._drop_speculation(req)
+            self.kv.trim(req)
+
+    def _append_accepted(self, req: Request, tokens: list[int]) -> TokenDelta:
+        """Append accepted drafts and the token after them, stopping where a stop rule says."""
+        kept: list[int] = []
+        for token in tokens:
+            req.append_token(token)
+            kept.append(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+                break
+        return _delta(req, kept)
+
+    def _drop_speculation(self, req: Request) -> None:
+        req.spec_token_ids = []
+        req.spec_draft_probs = None
+
     def _fork(self, parent: Request, child: Request) -> None:
         self.kv.fork(parent, child)
         child.scheduled_time = parent.scheduled_time
@@ -361,6 +436,13 @@ class Scheduler:
         if not group:
             del self.groups[req.request_id]
             self.beam_finished.pop(req.request_id, None)
+
+
+def _can_speculate(req: Request) -> bool:
+    s = req.sampling
+    return (s.n == 1 and not s.best_of and not s.use_beam_search and s.logprobs is None
+            and not (s.repetition_penalty != 1.0 or s.presence_penalty or s.frequency_penalty)
+            and req.num_output_tokens >= s.min_tokens and req.num_output_tokens > 0)
 
 
 def _delta(req: Request, tokens: list[int], logprobs=None) -> TokenDelta:

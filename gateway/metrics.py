@@ -66,6 +66,28 @@ class _EngineCollector(Collector):
                 "pagedserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                 value=stats.prefix_cache_hits,
             ),
+            CounterMetricFamily(
+                "pagedserve_spec_decode_draft_tokens", "Draft tokens proposed for verification",
+                value=stats.spec_draft_tokens,
+            ),
+            CounterMetricFamily(
+                "pagedserve_spec_decode_accepted_tokens", "Draft tokens the target accepted",
+                value=stats.spec_accepted_tokens,
+            ),
+            CounterMetricFamily(
+                "pagedserve_spec_decode_verify_steps",
+                "Verifications (accepted / verify_steps = mean accepted length)",
+                value=stats.spec_verify_steps,
+            ),
+            GaugeMetricFamily(
+                "pagedserve_spec_decode_acceptance_ratio", "Accepted / proposed draft tokens",
+                value=(stats.spec_accepted_tokens / stats.spec_draft_tokens
+                       if stats.spec_draft_tokens else 0.0),
+            ),
+            _labelled(CounterMetricFamily(
+                "pagedserve_spec_decode_accepted_by_position",
+                "Draft tokens accepted at each position of the proposal", labels=["position"]),
+                {str(i): n for i, n in enumerate(stats.spec_accepted_by_position)}),
         )
 
 

@@ -14,6 +14,7 @@ _ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
+_SPECULATIVE_METHODS = ("ngram", "self")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +66,23 @@ class EngineConfig:
     attention_backend: str = field(
         default="auto", metadata={"help": "paged attention kernels", "choices": _ATTENTION_BACKENDS}
     )
+    speculative_method: str | None = field(
+        default=None, metadata={"help": "speculative decoding proposer: ngram (prompt lookup) "
+                                        "or self (the model's first layers as a draft)",
+                                "choices": _SPECULATIVE_METHODS}
+    )
+    num_speculative_tokens: int = field(
+        default=5, metadata={"help": "tokens proposed per step (gamma; adapts down per request)"}
+    )
+    speculative_draft_layers: int = field(
+        default=4, metadata={"help": "layers of the target that form the self draft"}
+    )
+    prompt_lookup_max: int = field(
+        default=4, metadata={"help": "longest n-gram the ngram proposer matches"}
+    )
+    prompt_lookup_min: int = field(
+        default=1, metadata={"help": "shortest n-gram the ngram proposer matches"}
+    )
     kv_cache_dtype: str = field(
         default="auto", metadata={"help": "KV cache storage; auto: the model dtype, fp8_e4m3: "
                                           "8 bits, upcast on read", "choices": _KV_CACHE_DTYPES}
@@ -80,6 +98,12 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.speculative_method not in (None, *_SPECULATIVE_METHODS):
+            raise ValueError(f"speculative_method must be one of {_SPECULATIVE_METHODS}")
+        _positive(self, "num_speculative_tokens", "speculative_draft_layers",
+                  "prompt_lookup_max", "prompt_lookup_min")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens",
                   "tensor_parallel_size")
         _positive_or_none(self, "num_gpu_blocks", "max_model_len", "num_threads")

@@ -100,6 +100,10 @@ class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     swap_in_bytes: int = 0  # cumulative
     kv_cpu_blocks_total: int = 0
     kv_cpu_blocks_free: int = 0
+    spec_draft_tokens: int = 0  # cumulative draft tokens proposed
+    spec_accepted_tokens: int = 0  # cumulative draft tokens accepted
+    spec_verify_steps: int = 0  # cumulative verifications (one per speculating request-step)
+    spec_accepted_by_position: list[int] = []  # [i]: drafts accepted at position i
 
 
 class EngineReady(_Msg, tag="ready"):

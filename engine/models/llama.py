@@ -147,11 +147,16 @@ class LlamaForCausalLM(nn.Module):
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         self.rope = RotaryEmbedding(self.cfg, max_positions, device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size].
+
+        num_layers: run only the first layers, then the final norm (the self-draft model).
+        """
         assert self.rope is not None, "call init_rope() first"
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x = layer(x, positions, self.rope)
         return self.norm(x)
 

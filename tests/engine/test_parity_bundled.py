@@ -88,6 +88,9 @@ def assert_parity(ours: list[int], ref: tuple[list[int], list[torch.Tensor]], la
                       "preemption_mode": "recompute"}, id="preempt-recompute"),
         pytest.param({"num_gpu_blocks": 26, "max_num_batched_tokens": 128,
                       "preemption_mode": "swap"}, id="preempt-swap"),
+        pytest.param({"speculative_method": "ngram"}, id="spec-ngram"),
+        pytest.param({"speculative_method": "self", "speculative_draft_layers": 8},
+                     id="spec-self"),
     ],
 )
 def test_greedy_parity_with_hf(options, prompts, hf_reference, llm_factory):
@@ -106,6 +109,10 @@ def test_greedy_parity_with_hf(options, prompts, hf_reference, llm_factory):
         assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap == 0
     else:
         assert stats.num_preemptions == 0
+    if "speculative_method" in options:
+        assert stats.spec_verify_steps > 0
+        if options["speculative_method"] == "ngram":  # the prompts repeat one passage
+            assert stats.spec_accepted_tokens > 0
 
 
 def test_prefix_cache_hits_give_the_same_tokens(prompts, hf_reference, llm_factory):
