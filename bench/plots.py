@@ -1,7 +1,12 @@
-"""PNG plots of bench.serve results: latency against request rate, throughput by concurrency."""
+"""PNG plots of bench.serve results: latency against request rate, throughput by concurrency.
+
+`python -m bench.plots bench/plots/serve_results.json` redraws them from saved results.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 
@@ -29,6 +34,7 @@ def latency_vs_rate(systems: dict[str, dict], path: Path) -> Path | None:
         ax.set_xlabel("request rate (req/s, Poisson)")
         ax.set_ylabel(label)
         ax.set_yscale("log")
+        _plain_ticks(ax)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("Latency against request rate")
@@ -56,6 +62,15 @@ def throughput_vs_concurrency(systems: dict[str, dict], path: Path) -> Path | No
     return _save(plt, fig, path)
 
 
+def _plain_ticks(ax) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    # NOTE: plain numbers instead of 2x10^0; minor ticks labelled at 2, 3 and 5 only.
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(
+        lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "235" else ""))
+
+
 def _num(x: float | None) -> float:
     return float("nan") if x is None else x
 
@@ -66,3 +81,17 @@ def _save(plt, fig, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    path = Path((argv or sys.argv[1:])[0])
+    systems = json.loads(path.read_text())["systems"]
+    for made in (latency_vs_rate(systems, path.with_name("latency_vs_rate.png")),
+                 throughput_vs_concurrency(systems,
+                                           path.with_name("throughput_vs_concurrency.png"))):
+        if made:
+            print("wrote", made)
+
+
+if __name__ == "__main__":
+    main()

@@ -167,6 +167,8 @@ class EnginePool:
         if self._closing:
             return
         self._closing = True
+        log.info("closing %d engines; requests routed to each: %s", len(self.members),
+                 {m.client.incarnation: m.routed for m in self.members})
         await asyncio.gather(*(m.client.close(timeout) for m in self.members))
         for task in self._tasks:
             task.cancel()
@@ -207,19 +209,20 @@ class EnginePool:
         assert self._sockets is not None
         while True:
             identity, ready = await self._sockets.recv_handshake()
-            if any(m.client.incarnation == ready.incarnation for m in self.members):
-                for m in self.members:
-                    if m.client.incarnation == ready.incarnation:
-                        m.client.on_handshake(identity, ready)
+            if not self.spawn:
+                # NOTE: a dead attached engine's slot goes: its requests have failed already,
+                # and one that comes back (a restart, or a lapse that ended) is adopted anew.
+                self.members = [m for m in self.members if not m.client.dead]
+            owner = next((m for m in self.members
+                          if m.client.incarnation == ready.incarnation), None)
+            if owner is not None:
+                owner.client.on_handshake(identity, ready)
             elif not self.spawn and not self._closing:
                 self._adopt(identity, ready)
             if self.ready:
                 self._first_ready.set()
 
     def _adopt(self, identity: bytes, ready: EngineReady) -> None:
-        # NOTE: a dead attached engine's slot is dropped: its requests have failed already,
-        # and a restarted engine comes back under a new incarnation.
-        self.members = [m for m in self.members if not m.client.dead]
         client = self._new_client(spawn=False)
         client.attach(identity, ready)
         self.members.append(_Member(client))

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from bench import serve
+from bench import plots, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,6 +108,10 @@ def test_serve_bench_both_systems(pagedserve_url: str, hf_static_url: str,
     for name in ("latency_vs_rate.png", "throughput_vs_concurrency.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(result["files"]) == 3
+    for name in ("latency_vs_rate.png", "throughput_vs_concurrency.png"):
+        (tmp_path / name).unlink()
+    plots.main([str(tmp_path / "serve_results.json")])  # redrawn from the saved JSON
+    assert (tmp_path / "latency_vs_rate.png").is_file()
 
 
 def _mixed_outputs() -> list[int]:
