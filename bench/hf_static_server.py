@@ -35,7 +35,8 @@ class Job:
     max_tokens: int
     temperature: float
     ignore_eos: bool
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # int ids, then a finish reason
+    # token ids, then a finish reason (str) or the exception that ended the batch
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     count: int = 0
     done: bool = False
 
@@ -45,6 +46,9 @@ class RowStreamer(BaseStreamer):
 
     def __init__(self, jobs: list[Job], eos_ids: set[int], loop: asyncio.AbstractEventLoop):
         self.jobs, self.eos_ids, self.loop = jobs, eos_ids, loop
+        # NOTE: ignore_eos holds for a batch only if every member asks for it; otherwise
+        # generate pads a row after its EOS, so every row stops there.
+        self.ignore_eos = all(j.ignore_eos for j in jobs)
         self.prompt_seen = False
 
     def put(self, value) -> None:
@@ -54,7 +58,7 @@ class RowStreamer(BaseStreamer):
         for job, token in zip(self.jobs, value.view(-1).tolist(), strict=True):
             if job.done:
                 continue
-            if token in self.eos_ids and not job.ignore_eos:
+            if token in self.eos_ids and not self.ignore_eos:
                 self._finish(job, "stop")
                 continue
             job.count += 1
@@ -66,6 +70,12 @@ class RowStreamer(BaseStreamer):
         for job in self.jobs:
             if not job.done:
                 self._finish(job, "length")
+
+    def fail(self, exc: Exception) -> None:
+        for job in self.jobs:
+            if not job.done:
+                job.done = True
+                self.loop.call_soon_threadsafe(job.queue.put_nowait, exc)
 
     def _finish(self, job: Job, reason: str) -> None:
         job.done = True
@@ -93,10 +103,13 @@ class StaticBatcher:
                 batch.append(self.pending.get_nowait())
             streamer = RowStreamer(batch, self.eos_ids, loop)
             # NOTE: one sampling setting per static batch: its first request's temperature.
-            await asyncio.to_thread(
-                generate_batch, self.model, [j.prompt_ids for j in batch],
-                max(j.max_tokens for j in batch), self.pad,
-                all(j.ignore_eos for j in batch), batch[0].temperature, streamer)
+            try:
+                await asyncio.to_thread(
+                    generate_batch, self.model, [j.prompt_ids for j in batch],
+                    max(j.max_tokens for j in batch), self.pad, streamer.ignore_eos,
+                    batch[0].temperature, streamer)
+            except Exception as exc:  # NOTE: fail this batch's requests, keep serving
+                streamer.fail(exc)
 
 
 def build_app(batcher: StaticBatcher, model_name: str) -> Starlette:
@@ -130,7 +143,8 @@ def build_app(batcher: StaticBatcher, model_name: str) -> Starlette:
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(_sse(tok, job, meta, chat, usage),
                                      media_type="text/event-stream")
-        return JSONResponse(await _whole(tok, job, meta, chat))
+        whole = await _whole(tok, job, meta, chat)
+        return whole if isinstance(whole, Response) else JSONResponse(whole)
 
     routes = [Route("/health", health), Route("/v1/models", models),
               Route("/v1/completions", completions, methods=["POST"]),
@@ -162,6 +176,8 @@ async def _tokens(tok, job: Job) -> AsyncIterator[tuple[str, str | None]]:
     sent = ""
     while True:
         item = await job.queue.get()
+        if isinstance(item, Exception):
+            raise item
         if isinstance(item, str):
             yield tok.decode(ids, skip_special_tokens=True)[len(sent):], item
             return
@@ -187,28 +203,40 @@ def _usage(job: Job) -> dict:
 
 async def _sse(tok, job: Job, meta: dict, chat: bool, usage: bool) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if chat else "text_completion"
-    async for text, finish in _tokens(tok, job):
-        chunk = {**meta, "object": obj, "choices": [_choice(chat, text, finish, True)]}
-        yield f"data: {json.dumps(chunk)}\n\n".encode()
+    try:
+        async for text, finish in _tokens(tok, job):
+            chunk = {**meta, "object": obj, "choices": [_choice(chat, text, finish, True)]}
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+    except Exception as exc:
+        yield f"data: {json.dumps(_error_body(f'generation failed: {exc}'))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+        return
     if usage:
         tail = {**meta, "object": obj, "choices": [], "usage": _usage(job)}
         yield f"data: {json.dumps(tail)}\n\n".encode()
     yield b"data: [DONE]\n\n"
 
 
-async def _whole(tok, job: Job, meta: dict, chat: bool) -> dict:
+async def _whole(tok, job: Job, meta: dict, chat: bool) -> dict | Response:
     parts, reason = [], None
-    async for text, finish in _tokens(tok, job):
-        parts.append(text)
-        reason = finish
+    try:
+        async for text, finish in _tokens(tok, job):
+            parts.append(text)
+            reason = finish
+    except Exception as exc:
+        return _error(500, f"generation failed: {exc}")
     obj = "chat.completion" if chat else "text_completion"
     return {**meta, "object": obj, "choices": [_choice(chat, "".join(parts), reason, False)],
             "usage": _usage(job)}
 
 
+def _error_body(message: str, kind: str = "server_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": kind}}
+
+
 def _error(status: int, message: str) -> Response:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
-                                   "param": None, "code": "invalid_request"}}, status_code=status)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(_error_body(message, kind), status_code=status)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -84,6 +84,19 @@ def test_hf_static_batch_members_stop_at_their_own_length(hf_static_url: str) ->
         assert list(pool.map(ask, [2, 7, 1, 4])) == [2, 7, 1, 4]
 
 
+def test_hf_static_failed_batch_answers_with_an_error(hf_static_url: str) -> None:
+    body = {"prompt": [10**7], "max_tokens": 2}  # NOTE: out of vocabulary: generate raises
+    failed = httpx.post(f"{hf_static_url}/v1/completions", json=body, timeout=60)
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+    with httpx.stream("POST", f"{hf_static_url}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as resp:
+        lines = [ln for ln in resp.iter_lines() if ln.startswith("data:")]
+    assert '"error"' in lines[0] and lines[-1] == "data: [DONE]"
+    ok = httpx.post(f"{hf_static_url}/v1/completions", timeout=60,
+                    json={"prompt": "Hello", "max_tokens": 2, "ignore_eos": True})
+    assert ok.json()["usage"]["completion_tokens"] == 2  # the batcher still serves
+
+
 def test_serve_bench_both_systems(pagedserve_url: str, hf_static_url: str,
                                   tmp_path: Path) -> None:
     result = serve.main([
