@@ -145,6 +145,7 @@ class Scheduler:
             if n == 1 and budget > 1:
                 n += self._plan_speculation(req, budget - 1, out)
             if not self._allocate_or_preempt(req, n, out):
+                out.drafts = [d for d in out.drafts if d[0] is not req]
                 break  # req itself was preempted: it was the last one
             out.scheduled.append((req, n))
             budget -= n
