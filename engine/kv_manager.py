@@ -79,11 +79,6 @@ class BlockPool:
             del self.cached[h]
             self.block_hash[block] = None
 
-    def reset_cache(self) -> None:
-        for h, block in list(self.cached.items()):
-            self.block_hash[block] = None
-            del self.cached[h]
-
 
 class KVCacheManager:
     """Grows, shares, swaps and frees block tables; never holds a block beyond its need."""

@@ -106,10 +106,6 @@ class Request:
         return bool(self.cpu_block_ids)
 
     @property
-    def key(self) -> tuple[str, int]:
-        return (self.request_id, self.index)
-
-    @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 

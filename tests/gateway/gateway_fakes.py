@@ -122,22 +122,25 @@ class FakeEngine:
         self._update_stats()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.asynccontextmanager
-async def serve(app: object) -> AsyncIterator[str]:
-    """Run `app` under uvicorn on a free 127.0.0.1 port inside this event loop."""
+async def serve(app: object, send_buffer: int | None = None) -> AsyncIterator[str]:
+    """Run `app` under uvicorn on a free 127.0.0.1 port inside this event loop.
+
+    send_buffer: SO_SNDBUF of the listening socket, which accepted connections inherit (a
+    small one makes a slow reader block the server's writes soon, whatever the kernel's
+    autotuning would allow).
+    """
     import uvicorn
 
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            lifespan="off", loop="asyncio")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", loop="asyncio")
     server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     for _ in range(200):
         if server.started:
             break

@@ -92,7 +92,7 @@ async def test_slow_reader_is_closed_1013_and_others_are_unaffected(
     engine = FakeEngine(bundled_tokenizer_dir, reply="word " * 20000, interval=0.0,
                         max_model_len=30000)
     app = build_app(engine, GatewaySettings(ws_send_queue=8))
-    async with serve(app) as url:
+    async with serve(app, send_buffer=4096) as url:
         slow = await asyncio.to_thread(SlowReader, int(url.rsplit(":", 1)[1]))
         for i in range(3):
             await asyncio.to_thread(slow.generate, f"g{i}")
