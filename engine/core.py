@@ -63,6 +63,7 @@ class EngineCore:
             model, self.num_gpu_blocks, self.block_size, self.max_model_len, sampler,
             get_backend(config.attention_backend, self.device.type), self.device, self.kv_dtype,
             self.num_cpu_blocks, draft_layers=config.speculative_draft_layers,
+            draft_model=self._draft_model(config),
         )
         if config.tensor_parallel_size > 1:
             model.start_workers(self.num_gpu_blocks, self.block_size, self.max_model_len,
@@ -130,6 +131,19 @@ class EngineCore:
         )
 
     # ---- helpers -------------------------------------------------------------------------------
+
+    def _draft_model(self, config: EngineConfig):
+        """The separate draft model of --speculative-method draft (it shares the tokenizer)."""
+        if config.speculative_method != "draft":
+            return None
+        if config.tensor_parallel_size > 1:
+            raise ValueError("speculative_method draft does not run with tensor parallelism")
+        draft, cfg = load_model(resolve_model(config.speculative_model), self.dtype, self.device)
+        if cfg.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"the speculative model's vocabulary ({cfg.vocab_size}) differs from the "
+                f"target's ({self.model_config.vocab_size}): it must share the tokenizer")
+        return draft
 
     def _count(self, out) -> None:
         for req, n in out.scheduled:

@@ -4,6 +4,7 @@ the paged KV cache and samples one token for each request that caught up.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -30,32 +31,25 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         num_cpu_blocks: int = 0,
         draft_layers: int | None = None,
+        draft_model: LlamaForCausalLM | None = None,
     ) -> None:
-        cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.sampler = sampler
-        self.draft_layers = draft_layers  # the self draft: the model's first layers
         self.backend = backend
         self.device = device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # NOTE: zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype, device=device),
-             torch.zeros(shape, dtype=kv_dtype, device=device))
-            for _ in range(cfg.num_layers)
-        ]
-        # The swap pool: host memory (pinned on a GPU machine so copies can overlap).
-        # NOTE: empty, not zeros: a CPU block is only read after a swap-out wrote it, and
-        # untouched pages of an empty tensor cost no memory.
-        pin = device.type == "cuda"
-        self.cpu_caches = [
-            (torch.empty((num_cpu_blocks, *shape[1:]), dtype=kv_dtype, pin_memory=pin),
-             torch.empty((num_cpu_blocks, *shape[1:]), dtype=kv_dtype, pin_memory=pin))
-            for _ in range(cfg.num_layers if num_cpu_blocks else 0)
-        ]
+        self.kv_caches, self.cpu_caches = _caches(model.cfg, num_blocks, block_size,
+                                                  num_cpu_blocks, kv_dtype, device)
         model.init_rope(max_model_len, device)
+        # The draft proposer: the target's first layers sharing its caches (self), or a
+        # smaller model with caches of its own under the same block tables (draft).
+        self.draft = Draft(model, self.kv_caches, self.cpu_caches, draft_layers, False)
+        if draft_model is not None:
+            caches, cpu = _caches(draft_model.cfg, num_blocks, block_size, num_cpu_blocks,
+                                  kv_dtype, device)
+            draft_model.init_rope(max_model_len, device)
+            self.draft = Draft(draft_model, caches, cpu, None, True)
 
     @property
     def block_bytes(self) -> int:
@@ -69,12 +63,15 @@ class ModelRunner:
         if out.empty:
             return None
         if out.drafts:
-            self._self_draft(out.drafts)
+            self._propose(out.drafts)
         items = [(r, (r.all_token_ids + r.spec_token_ids)[r.num_computed_tokens:][:n])
                  for r, n in out.scheduled]
         input_ids, positions, meta, last = self._prepare(items)
         with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
             hidden = self.model(input_ids, positions)
+        if self.draft.own_cache:  # NOTE: the draft model computes what the target did
+            with forward_context(ForwardContext(meta, self.draft.kv_caches, self.backend)):
+                self.draft.model(input_ids, positions)
         if not out.sampling:
             return None
         return self._sample(out, hidden, last)
@@ -102,12 +99,13 @@ class ModelRunner:
         return SamplerOutput([tokens[i] for i in range(n)], [logprobs.get(i) for i in range(n)],
                              [accepted.get(i, []) for i in range(n)])
 
-    def _self_draft(self, drafts: list[tuple[Request, int]]) -> None:
-        """Propose each request's draft tokens with the model's first layers and its head.
+    def _propose(self, drafts: list[tuple[Request, int]]) -> None:
+        """Propose each request's draft tokens, one draft forward per position.
 
-        NOTE: the draft's layers are the target's, so it shares the target's KV cache: what it
-        writes for accepted positions is what the target writes again when it verifies them.
+        NOTE: the self draft's layers are the target's, so it shares the target's KV cache:
+        what it writes for accepted positions the target writes again when it verifies them.
         """
+        draft = self.draft
         reqs = [r for r, _ in drafts]
         cur = [r.all_token_ids[-1] for r in reqs]  # the newest token, not yet in the cache
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
@@ -116,9 +114,9 @@ class ModelRunner:
             active = [i for i, (_, g) in enumerate(drafts) if g > j]
             items = [(reqs[i], [cur[i]]) for i in active]
             input_ids, positions, meta, last = self._prepare(items, offset=j)
-            with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
-                hidden = self.model(input_ids, positions, num_layers=self.draft_layers)
-            logits = self.model.compute_logits(hidden)
+            with forward_context(ForwardContext(meta, draft.kv_caches, self.backend)):
+                hidden = draft.model(input_ids, positions, num_layers=draft.num_layers)
+            logits = draft.model.compute_logits(hidden)
             for row, i in enumerate(active):
                 s = reqs[i].sampling
                 if s.greedy:
@@ -148,15 +146,16 @@ class ModelRunner:
             # can go as one indexed copy per layer.
             src = torch.tensor([c[1] for c in copies[start:end]])
             dst = torch.tensor([c[2] for c in copies[start:end]])
-            pools = {
-                "gpu_to_gpu": (self.kv_caches, self.kv_caches),
-                "gpu_to_cpu": (self.kv_caches, self.cpu_caches),
-                "cpu_to_gpu": (self.cpu_caches, self.kv_caches),
-            }[kind]
-            for (src_k, src_v), (dst_k, dst_v) in zip(*pools, strict=True):
-                for src_cache, dst_cache in ((src_k, dst_k), (src_v, dst_v)):
-                    rows = src_cache[src.to(src_cache.device)]
-                    dst_cache[dst.to(dst_cache.device)] = rows.to(dst_cache.device)
+            sets = [(self.kv_caches, self.cpu_caches)]
+            if self.draft.own_cache:
+                sets.append((self.draft.kv_caches, self.draft.cpu_caches))
+            for gpu, cpu in sets:
+                pools = {"gpu_to_gpu": (gpu, gpu), "gpu_to_cpu": (gpu, cpu),
+                         "cpu_to_gpu": (cpu, gpu)}[kind]
+                for (src_k, src_v), (dst_k, dst_v) in zip(*pools, strict=True):
+                    for src_cache, dst_cache in ((src_k, dst_k), (src_v, dst_v)):
+                        rows = src_cache[src.to(src_cache.device)]
+                        dst_cache[dst.to(dst_cache.device)] = rows.to(dst_cache.device)
             start = end
 
     def _prepare(self, items: list[tuple[Request, list[int]]], offset: int = 0):
@@ -199,3 +198,30 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.from_numpy(positions).to(dev), meta, last_token
+
+
+@dataclass
+class Draft:
+    model: LlamaForCausalLM
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    cpu_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    num_layers: int | None  # the self draft runs the target's first layers only
+    own_cache: bool  # a separate draft model: it must also compute every token the target does
+
+
+def _caches(cfg, num_blocks: int, block_size: int, num_cpu_blocks: int, dtype: torch.dtype,
+            device: torch.device):
+    """Per-layer (K, V) pools on the device and, for swapping, in host memory."""
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    # NOTE: zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN.
+    gpu = [(torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+    # The swap pool: host memory (pinned on a GPU machine so copies can overlap).
+    # NOTE: empty, not zeros: a CPU block is only read after a swap-out wrote it, and
+    # untouched pages of an empty tensor cost no memory.
+    pin = device.type == "cuda"
+    cpu_shape = (num_cpu_blocks, *shape[1:])
+    cpu = [(torch.empty(cpu_shape, dtype=dtype, pin_memory=pin),
+            torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
+           for _ in range(cfg.num_layers if num_cpu_blocks else 0)]
+    return gpu, cpu

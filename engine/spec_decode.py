@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Adaptive gamma: an exponential average of the acceptance rate moves gamma down when drafts
-# are mostly rejected (0 stops speculating) and back up when they are accepted.
+# Adaptive gamma: an exponential average of the acceptance rate halves gamma when drafts are
+# mostly rejected (0 stops speculating) and raises it by one when they are accepted.
 _EMA = 0.5
 _LOW, _HIGH = 0.35, 0.7
-_PROBE_EVERY = 16  # plain decode steps before a request that stopped speculating tries again
+_PROBE_EVERY = 32  # plain decode steps before a request that stopped speculating tries again
 
 
 @dataclass
@@ -91,7 +91,7 @@ def adapt_gamma(req, proposed: int, accepted: int, gamma_max: int) -> None:
     rate = accepted / proposed if proposed else 0.0
     req.spec_ema = _EMA * req.spec_ema + (1 - _EMA) * rate
     if req.spec_ema < _LOW:
-        req.spec_gamma = max(0, req.spec_gamma - 1)
+        req.spec_gamma //= 2  # NOTE: a wasted draft costs gamma draft steps: back off fast
     elif req.spec_ema > _HIGH:
         req.spec_gamma = min(gamma_max, req.spec_gamma + 1)
 

@@ -14,7 +14,7 @@ _ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
-_SPECULATIVE_METHODS = ("ngram", "self")
+_SPECULATIVE_METHODS = ("ngram", "self", "draft")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,12 +67,18 @@ class EngineConfig:
         default="auto", metadata={"help": "paged attention kernels", "choices": _ATTENTION_BACKENDS}
     )
     speculative_method: str | None = field(
-        default=None, metadata={"help": "speculative decoding proposer: ngram (prompt lookup) "
-                                        "or self (the model's first layers as a draft)",
+        default=None, metadata={"help": "speculative decoding proposer: ngram (prompt lookup), "
+                                        "self (the model's first layers as a draft) or draft "
+                                        "(--speculative-model)",
                                 "choices": _SPECULATIVE_METHODS}
     )
     num_speculative_tokens: int = field(
         default=5, metadata={"help": "tokens proposed per step (gamma; adapts down per request)"}
+    )
+    speculative_model: str | None = field(
+        default=None, metadata={"help": "the draft model for --speculative-method draft: a "
+                                        "smaller model (HF directory or .gguf) with the "
+                                        "target's tokenizer"}
     )
     speculative_draft_layers: int = field(
         default=4, metadata={"help": "layers of the target that form the self draft"}
@@ -102,6 +108,9 @@ class EngineConfig:
             raise ValueError(f"speculative_method must be one of {_SPECULATIVE_METHODS}")
         _positive(self, "num_speculative_tokens", "speculative_draft_layers",
                   "prompt_lookup_max", "prompt_lookup_min")
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError("speculative_model is needed by, and only by, "
+                             "speculative_method draft")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens",

@@ -17,7 +17,7 @@ def bundled_tokenizer_dir() -> Path:
     return tokenizer_dir(resolve_model(None))
 
 
-def build_tiny_llama(path: Path, tokenizer_dir: Path, **overrides) -> Path:
+def build_tiny_llama(path: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
     """Save a random-weight Llama (HF safetensors) with the bundled tokenizer into `path`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -29,7 +29,7 @@ def build_tiny_llama(path: Path, tokenizer_dir: Path, **overrides) -> Path:
         bos_token_id=1, eos_token_id=2,
     )
     cfg.update(overrides)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.float32)
     with torch.no_grad():  # larger logits spread: fewer near-ties in greedy parity checks
         model.model.embed_tokens.weight.normal_(0, 0.5)

@@ -137,3 +137,17 @@ def test_capital_of_france(llm_factory):
                    SamplingParams(temperature=0.0, max_tokens=30))[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
+
+
+def test_greedy_parity_with_a_separate_draft_model(prompts, hf_reference, llm_factory,
+                                                   tiny_model_dir):
+    """A tiny random model with the same tokenizer as the draft: its proposals are mostly
+    rejected, and the output must still be the target's own, token for token."""
+    llm = llm_factory(speculative_method="draft", speculative_model=str(tiny_model_dir),
+                      num_speculative_tokens=3)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for n, out, ref in zip(LENGTHS, outs, hf_reference, strict=True):
+        assert_parity(out.token_ids, ref, f"draft-model prompt of {n} tokens")
+    stats = llm.engine.stats()
+    assert stats.spec_verify_steps > 0 and stats.kv_blocks_free == stats.kv_blocks_total

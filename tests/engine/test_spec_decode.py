@@ -96,6 +96,16 @@ def test_ngram_proposer_finds_the_latest_longest_match():
 
 
 @pytest.fixture(scope="module")
+def small_vocab_draft(tmp_path_factory, bundled_tokenizer_dir):
+    """A different random model on the same vocabulary: a deliberately bad draft."""
+    from tests.conftest import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("vocab8-draft"), bundled_tokenizer_dir,
+                            seed=7, vocab_size=VOCAB, tie_word_embeddings=False,
+                            num_hidden_layers=1, bos_token_id=0, eos_token_id=VOCAB - 1)
+
+
+@pytest.fixture(scope="module")
 def small_vocab_model(tmp_path_factory, bundled_tokenizer_dir):
     from tests.conftest import build_tiny_llama
 
@@ -116,16 +126,18 @@ def exact_first_two(model_dir, prompt: list[int]) -> torch.Tensor:
     return (p1[:, None] * p2).flatten()
 
 
-@pytest.mark.parametrize(
-    "method, extra", [("ngram", {}), ("self", {"speculative_draft_layers": 1})])
-def test_engine_samples_the_target_distribution(small_vocab_model, method, extra):
+@pytest.mark.parametrize("method", ["ngram", "self", "draft"])
+def test_engine_samples_the_target_distribution(small_vocab_model, small_vocab_draft, method):
     # NOTE: the test is on the joint law of the first two tokens, since the second one always
     # goes through verification (with max_tokens 3, gamma is 1 after the first token). 1500
     # samples over 64 cells (about 23 per cell): resampling n-gram rejections from q instead
     # of q without the draft token (doubling its chance) fails it by a wide margin (chi2 190
     # against a bound of 103, checked by hand). The 1-layer self draft of this tiny model is
     # close to the target, so its rejections are rare; the rule's power against bad drafts
-    # is shown by test_acceptance_rule_keeps_the_target_distribution.
+    # is shown by test_acceptance_rule_keeps_the_target_distribution; the separate draft
+    # here is a different random model, a bad draft whose tokens are often rejected.
+    extra = {"self": {"speculative_draft_layers": 1},
+             "draft": {"speculative_model": str(small_vocab_draft)}}.get(method, {})
     prompt = [*range(VOCAB), 3]  # every token occurs: n-gram lookup always proposes
     core = EngineCore(EngineConfig(model=str(small_vocab_model), speculative_method=method,
                                    num_speculative_tokens=1, max_num_seqs=256, seed=1, **extra))
@@ -149,12 +161,15 @@ def test_engine_samples_the_target_distribution(small_vocab_model, method, extra
 
 
 def test_speculation_under_preemption_keeps_greedy_output(tiny_model_dir):
-    """Drafts of a request that gets preempted are dropped; outputs equal the plain run."""
+    """Drafts of a request that gets preempted are dropped, a draft model's KV swaps with the
+    target's; outputs equal the plain run."""
     prompts = [[(5 * i + k) % 300 + 100 for i in range(12)] * 2 for k in range(4)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     results = []
     for options in ({}, {"speculative_method": "self", "speculative_draft_layers": 1,
-                         "num_gpu_blocks": 14, "block_size": 4}):
+                         "num_gpu_blocks": 14, "block_size": 4},
+                    {"speculative_method": "draft", "speculative_model": str(tiny_model_dir),
+                     "num_gpu_blocks": 14, "block_size": 4, "preemption_mode": "swap"}):
         core = EngineCore(EngineConfig(model=str(tiny_model_dir), **options))
         for i, p in enumerate(prompts):
             core.add_request(AddRequest(request_id=str(i), prompt_token_ids=p, sampling=params))
@@ -165,5 +180,28 @@ def test_speculation_under_preemption_keeps_greedy_output(tiny_model_dir):
         results.append(outputs)
         stats = core.stats()
         assert stats.kv_blocks_free == stats.kv_blocks_total
-    assert stats.num_preemptions > 0 and stats.spec_verify_steps > 0
-    assert results[0] == results[1]
+        if options:
+            assert stats.num_preemptions > 0 and stats.spec_verify_steps > 0
+        if options.get("speculative_method") == "draft":
+            # the draft is the target itself: only a draft whose own KV was lost or corrupted
+            # by swapping would see its (greedy) proposals rejected
+            assert stats.num_preemptions_swap > 0
+            assert stats.spec_accepted_tokens >= 0.95 * stats.spec_draft_tokens
+    assert results[0] == results[1] == results[2]
+
+
+class _Req:
+    spec_gamma, spec_ema, spec_idle = 8, 0.5, 0
+
+
+def test_gamma_backs_off_on_rejections_and_probes_again():
+    req = _Req()
+    gammas = []
+    for _ in range(5):
+        spec_decode.adapt_gamma(req, req.spec_gamma or 1, 0, 8)
+        gammas.append(req.spec_gamma)
+    assert gammas == [4, 2, 1, 0, 0]
+    assert [spec_decode.next_gamma(req, 8) for _ in range(32)][-1] == 1  # a probe
+    for _ in range(6):
+        spec_decode.adapt_gamma(req, req.spec_gamma, req.spec_gamma, 8)
+    assert req.spec_gamma > 1  # accepted drafts raise it again
