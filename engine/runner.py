@@ -80,10 +80,10 @@ class ModelRunner:
         """Sample plain requests in one batch; verify each speculating request's drafts."""
         plain = [i for i, r in enumerate(out.sampling) if not r.spec_token_ids]
         rows = [last[id(out.sampling_rows[i])] for i in plain]
-        spans = []  # (request, first row): gamma + 1 positions from the last real token
-        for r in out.sampling:
+        spans = []  # (index, first row): gamma + 1 positions from the last real token
+        for i, r in enumerate(out.sampling):
             if r.spec_token_ids:
-                spans.append((r, len(rows)))
+                spans.append((i, len(rows)))
                 end = last[id(r)]
                 rows.extend(range(end - len(r.spec_token_ids), end + 1))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
@@ -91,8 +91,8 @@ class ModelRunner:
         tokens = dict(zip(plain, result.token_ids, strict=True))
         logprobs = dict(zip(plain, result.logprobs, strict=True))
         accepted: dict[int, list[int]] = {}
-        for r, start in spans:
-            i = next(j for j, s in enumerate(out.sampling) if s is r)
+        for i, start in spans:
+            r = out.sampling[i]
             block = logits[start : start + len(r.spec_token_ids) + 1]
             accepted[i], tokens[i] = self.sampler.verify(block, r)
         n = len(out.sampling)

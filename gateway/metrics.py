@@ -15,85 +15,70 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
 
 
+# (kind, metric name, help, EngineStats field): read straight from the latest stats
+_ENGINE_METRICS = (
+    (GaugeMetricFamily, "pagedserve_requests_running", "Requests running in the engine",
+     "num_running"),
+    (GaugeMetricFamily, "pagedserve_requests_waiting", "Requests waiting in the engine's queue",
+     "num_waiting"),
+    (GaugeMetricFamily, "pagedserve_kv_blocks_free", "Free KV blocks", "kv_blocks_free"),
+    (GaugeMetricFamily, "pagedserve_kv_blocks_total", "KV blocks in the pool", "kv_blocks_total"),
+    (CounterMetricFamily, "pagedserve_preemptions", "Requests preempted by the scheduler",
+     "num_preemptions"),
+    (GaugeMetricFamily, "pagedserve_requests_swapped",
+     "Requests whose KV is swapped out to the CPU pool", "num_swapped"),
+    (GaugeMetricFamily, "pagedserve_kv_cpu_blocks_free", "Free blocks in the CPU swap pool",
+     "kv_cpu_blocks_free"),
+    (GaugeMetricFamily, "pagedserve_kv_cpu_blocks_total", "Blocks in the CPU swap pool",
+     "kv_cpu_blocks_total"),
+    (CounterMetricFamily, "pagedserve_prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
+    (CounterMetricFamily, "pagedserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+     "prefix_cache_hits"),
+    (CounterMetricFamily, "pagedserve_spec_decode_draft_tokens",
+     "Draft tokens proposed for verification", "spec_draft_tokens"),
+    (CounterMetricFamily, "pagedserve_spec_decode_accepted_tokens",
+     "Draft tokens the target accepted", "spec_accepted_tokens"),
+    (CounterMetricFamily, "pagedserve_spec_decode_verify_steps",
+     "Verifications (accepted / verify_steps = mean accepted length)", "spec_verify_steps"),
+)
+
+
 class _EngineCollector(Collector):
-    """Gauges and the preemption counter come straight from the latest EngineStats."""
+    """Gauges and engine counters come straight from the latest EngineStats."""
 
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self._stats() or EngineStats()
-        total, free = stats.kv_blocks_total, stats.kv_blocks_free
-        yield from (
-            GaugeMetricFamily(
-                "pagedserve_requests_running", "Requests running in the engine",
-                value=stats.num_running,
-            ),
-            GaugeMetricFamily(
-                "pagedserve_requests_waiting", "Requests waiting in the engine's queue",
-                value=stats.num_waiting,
-            ),
-            GaugeMetricFamily(
-                "pagedserve_kv_cache_usage_ratio", "Fraction of KV blocks in use",
-                value=(total - free) / total if total else 0.0,
-            ),
-            GaugeMetricFamily("pagedserve_kv_blocks_free", "Free KV blocks", value=free),
-            GaugeMetricFamily("pagedserve_kv_blocks_total", "KV blocks in the pool", value=total),
-            CounterMetricFamily(
-                "pagedserve_preemptions", "Requests preempted by the scheduler",
-                value=stats.num_preemptions,
-            ),
-            _labelled(CounterMetricFamily(
-                "pagedserve_preemptions_by_kind", "Preemptions by how the KV was handled",
-                labels=["kind"]), {"swap": stats.num_preemptions_swap,
-                                   "recompute": stats.num_preemptions_recompute}),
-            GaugeMetricFamily(
-                "pagedserve_requests_swapped", "Requests whose KV is swapped out to the CPU pool",
-                value=stats.num_swapped,
-            ),
-            _labelled(CounterMetricFamily(
-                "pagedserve_swap_bytes", "KV bytes copied between the pools",
-                labels=["direction"]), {"out": stats.swap_out_bytes, "in": stats.swap_in_bytes}),
-            GaugeMetricFamily("pagedserve_kv_cpu_blocks_free", "Free blocks in the CPU swap pool",
-                              value=stats.kv_cpu_blocks_free),
-            GaugeMetricFamily("pagedserve_kv_cpu_blocks_total", "Blocks in the CPU swap pool",
-                              value=stats.kv_cpu_blocks_total),
-            CounterMetricFamily(
-                "pagedserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                value=stats.prefix_cache_queries,
-            ),
-            CounterMetricFamily(
-                "pagedserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                value=stats.prefix_cache_hits,
-            ),
-            CounterMetricFamily(
-                "pagedserve_spec_decode_draft_tokens", "Draft tokens proposed for verification",
-                value=stats.spec_draft_tokens,
-            ),
-            CounterMetricFamily(
-                "pagedserve_spec_decode_accepted_tokens", "Draft tokens the target accepted",
-                value=stats.spec_accepted_tokens,
-            ),
-            CounterMetricFamily(
-                "pagedserve_spec_decode_verify_steps",
-                "Verifications (accepted / verify_steps = mean accepted length)",
-                value=stats.spec_verify_steps,
-            ),
-            GaugeMetricFamily(
-                "pagedserve_spec_decode_acceptance_ratio", "Accepted / proposed draft tokens",
-                value=(stats.spec_accepted_tokens / stats.spec_draft_tokens
-                       if stats.spec_draft_tokens else 0.0),
-            ),
-            _labelled(CounterMetricFamily(
-                "pagedserve_spec_decode_accepted_by_position",
-                "Draft tokens accepted at each position of the proposal", labels=["position"]),
-                {str(i): n for i, n in enumerate(stats.spec_accepted_by_position)}),
-        )
+        s = self._stats() or EngineStats()
+        for family, name, help_text, field in _ENGINE_METRICS:
+            yield family(name, help_text, value=getattr(s, field))
+        yield GaugeMetricFamily("pagedserve_kv_cache_usage_ratio", "Fraction of KV blocks in use",
+                                value=_ratio(s.kv_blocks_total - s.kv_blocks_free,
+                                             s.kv_blocks_total))
+        yield GaugeMetricFamily("pagedserve_spec_decode_acceptance_ratio",
+                                "Accepted / proposed draft tokens",
+                                value=_ratio(s.spec_accepted_tokens, s.spec_draft_tokens))
+        yield _labelled("pagedserve_preemptions_by_kind", "Preemptions by how the KV was handled",
+                        "kind", {"swap": s.num_preemptions_swap,
+                                 "recompute": s.num_preemptions_recompute})
+        yield _labelled("pagedserve_swap_bytes", "KV bytes copied between the pools",
+                        "direction", {"out": s.swap_out_bytes, "in": s.swap_in_bytes})
+        yield _labelled("pagedserve_spec_decode_accepted_by_position",
+                        "Draft tokens accepted at each position of the proposal", "position",
+                        {str(i): n for i, n in enumerate(s.spec_accepted_by_position)})
 
 
-def _labelled(family: CounterMetricFamily, values: dict[str, float]) -> CounterMetricFamily:
-    for label, value in values.items():
-        family.add_metric([label], value)
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
+
+
+def _labelled(name: str, help_text: str, label: str,
+              values: dict[str, float]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_text, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], value)
     return family
 
 
