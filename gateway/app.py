@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
@@ -96,6 +96,10 @@ class Handlers:
             gen = self.gw.start(job)
         except ApiError as exc:
             return exc.response()
+        except ClientDisconnect:
+            # Gone before its body arrived (an overloaded gateway reads late): still counted.
+            self.gw.metrics.client_disconnects.inc()
+            return Response(status_code=499)
         headers = {"X-Request-Id": job.request_id}
         disconnected = self.gw.metrics.client_disconnects.inc
         if parsed.stream:

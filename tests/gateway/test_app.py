@@ -153,6 +153,26 @@ async def test_overload_is_503_with_retry_after(fake_engine: FakeEngine) -> None
         assert (await first).status_code == 200
 
 
+async def test_client_gone_while_sending_its_body_counts(fake_engine: FakeEngine) -> None:
+    app = _app(fake_engine)
+    async with serve(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"mo")
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+        async with httpx.AsyncClient(base_url=url) as http:
+            for _ in range(100):
+                text = (await http.get("/metrics")).text
+                if "pagedserve_client_disconnects_total 1.0" in text:
+                    break
+                await asyncio.sleep(0.02)
+        assert "pagedserve_client_disconnects_total 1.0" in text
+        assert fake_engine.submitted == [] and app.state.gateway.generations == {}
+
+
 async def test_api_key_and_health(fake_engine: FakeEngine) -> None:
     async with serve(_app(fake_engine, api_key="sekret")) as url, \
             httpx.AsyncClient(base_url=url) as http:
