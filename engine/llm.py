@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine.core import EngineCore
 from engine.tokenizer import load_tokenizer
 from ipc.config import EngineConfig
-from ipc.messages import FINISH_STOP, AddRequest, TokenDelta
+from ipc.messages import FINISH_STOP, AddRequest, RequestMetrics, TokenDelta
 from ipc.sampling import SamplingParams
 from ipc.text import IncrementalDetokenizer, StopMatcher
 
@@ -28,6 +28,8 @@ class CompletionOutput:
     # per output token: {token_id: logprob} with the sampled token and the top-n alternatives
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None  # with best_of: what the choices are ranked by
+    # the engine's timeline of this choice (None when a stop string ended it here)
+    metrics: RequestMetrics | None = None
 
 
 @dataclass
@@ -191,6 +193,7 @@ class _Choice:
         if delta.finished:
             out.text += self.stops.flush()
             out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+            out.metrics = delta.metrics
             return True
         return False
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 
 import torch
 
@@ -78,6 +79,13 @@ class Request:
         self.spec_idle = 0  # plain steps since gamma fell to 0
         self.stop_reason: int | None = None
         self.num_preemptions = 0
+        # the timeline reported on the terminal delta (RequestMetrics)
+        self.first_token_time: float | None = None
+        self.finished_time = 0.0
+        self.num_lost_tokens = 0  # computed tokens dropped by a recompute preemption, pending
+        self.num_recomputed_tokens = 0
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
         # priority first, then arrival; the counter breaks ties in submission order
         self.sort_key = (priority, arrival_time, next(_arrival_counter))
 
@@ -111,9 +119,12 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self._all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
 
     def become_copy_of(self, other: Request) -> None:
         """Take another beam's tokens (the scheduler shares its blocks): a beam fork."""
         self._all_token_ids = list(other._all_token_ids)
         self.block_hashes = list(other.block_hashes)
         self.cumulative_logprob = other.cumulative_logprob
+        self.first_token_time = other.first_token_time

@@ -16,7 +16,7 @@ from engine.kv_manager import KVCacheManager
 from engine.preemption import SWAP, PreemptionCost
 from engine.request import Request, RequestStatus
 from engine.sampler import SamplerOutput
-from ipc.messages import TokenDelta
+from ipc.messages import RequestMetrics, TokenDelta
 
 
 @dataclass(frozen=True)
@@ -212,6 +212,8 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_output_tokens == 0:
                 req.num_cached_tokens = num_cached
+            req.num_recomputed_tokens += max(0, req.num_lost_tokens - num_cached)
+            req.num_lost_tokens = 0
             self._start(req, n, out)
             budget -= n
 
@@ -236,6 +238,7 @@ class Scheduler:
         self._drop_speculation(req)
         self.running.remove(req)
         req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
         choice = self.preemption.choose(
             len(req.block_ids), req.num_computed_tokens, self.kv.can_swap_out(req))
         if choice == SWAP:
@@ -248,6 +251,7 @@ class Scheduler:
         # when it is readmitted; its output is kept, so nothing is lost or repeated.
         self.preemptions.recompute += 1
         self.kv.free(req)
+        req.num_lost_tokens = req.num_computed_tokens
         req.num_computed_tokens = 0
         heapq.heappush(self._waiting, (req.sort_key, req))
 
@@ -356,6 +360,7 @@ class Scheduler:
                                                   False) for r in live]
         top = beam_search.best(hyps, s.n, s.length_penalty)
         first = group[0]
+        group_all = list(group)
         deltas = [
             TokenDelta(request_id=rid, new_token_ids=h.token_ids, index=i,
                        finish_reason="stop" if h.finished else "length",
@@ -365,6 +370,8 @@ class Scheduler:
         ]
         for r in list(group):
             self._finish(r, RequestStatus.FINISHED_STOPPED)  # the last one drops the group
+        for d in deltas:  # a hypothesis is not one beam: the group's totals stand for each
+            d.metrics = _group_metrics(group_all)
         return deltas
 
     # ---- speculative decoding ---------------------------------------------------------------
@@ -380,6 +387,8 @@ class Scheduler:
             # means the next step overwrites them, and trim() gives back emptied blocks.
             req.num_computed_tokens -= proposed - len(accepted)
             self.spec_stats.record(proposed, len(accepted))
+            req.num_spec_draft_tokens += proposed
+            req.num_spec_accepted_tokens += len(accepted)
             spec_decode.adapt_gamma(req, proposed, len(accepted), spec.num_tokens)
             self._drop_speculation(req)
             self.kv.trim(req)
@@ -431,6 +440,7 @@ class Scheduler:
             self._waiting.remove((req.sort_key, req))
             heapq.heapify(self._waiting)
         req.status = status
+        req.finished_time = time.time()
         self.kv.free(req)
         group = self.groups[req.request_id]
         group.remove(req)
@@ -458,4 +468,29 @@ def _delta(req: Request, tokens: list[int], logprobs=None) -> TokenDelta:
         index=req.index,
         cumulative_logprob=req.cumulative_logprob if req.sampling.best_of else None,
         scheduled_time=req.scheduled_time if req.num_output_tokens == len(tokens) else None,
+        metrics=_metrics(req) if req.finish_reason is not None else None,
+    )
+
+
+def _metrics(req: Request) -> RequestMetrics:
+    return RequestMetrics(
+        scheduled_time=req.scheduled_time,
+        first_token_time=req.first_token_time,
+        finished_time=req.finished_time,
+        num_preemptions=req.num_preemptions,
+        num_recomputed_tokens=req.num_recomputed_tokens,
+        num_spec_draft_tokens=req.num_spec_draft_tokens,
+        num_spec_accepted_tokens=req.num_spec_accepted_tokens,
+    )
+
+
+def _group_metrics(group: list[Request]) -> RequestMetrics:
+    """A beam group's metrics: its earliest times and its summed work."""
+    firsts = [r.first_token_time for r in group if r.first_token_time is not None]
+    return RequestMetrics(
+        scheduled_time=group[0].scheduled_time,
+        first_token_time=min(firsts, default=None),
+        finished_time=max(r.finished_time for r in group),
+        num_preemptions=sum(r.num_preemptions for r in group),
+        num_recomputed_tokens=sum(r.num_recomputed_tokens for r in group),
     )

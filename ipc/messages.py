@@ -62,6 +62,19 @@ class PositionLogprobs(msgspec.Struct, array_like=True):
     top: list[TokenLogprob] = []
 
 
+class RequestMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What happened to one choice inside the engine, sent once on its terminal delta.
+    Times are time.time() of the engine's host."""
+
+    scheduled_time: float | None = None  # first admission (left the queue)
+    first_token_time: float | None = None  # its first output token was sampled
+    finished_time: float = 0.0
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # tokens computed again after preemptions by recompute
+    num_spec_draft_tokens: int = 0  # speculative draft tokens proposed for it
+    num_spec_accepted_tokens: int = 0  # of those, accepted
+
+
 class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     """New output tokens of one request in one engine step; `finish_reason` set means terminal."""
 
@@ -76,6 +89,7 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     index: int = 0  # which choice (0 .. n-1) when the request asked for n > 1
     cumulative_logprob: float | None = None  # with best_of: the choice's total logprob so far
     scheduled_time: float | None = None  # on a choice's first delta: time.time() it left the queue
+    metrics: RequestMetrics | None = None  # on the terminal delta of a choice the engine ran
 
     @property
     def finished(self) -> bool:

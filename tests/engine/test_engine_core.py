@@ -91,6 +91,30 @@ def test_preemption_loses_no_output(make_core):
     assert tight.kv.num_free_blocks == 24
 
 
+def test_terminal_deltas_carry_the_request_timeline(make_core):
+    core = make_core(num_gpu_blocks=24, block_size=4, preemption_mode="recompute")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(4):
+        add(core, str(i), prompt(30, i), params)
+    add(core, "never", prompt(8), params, priority=9)  # aborted before it is scheduled
+    core.step()
+    [gone] = core.abort_requests(["never"])
+    assert gone.metrics.scheduled_time is None and gone.metrics.first_token_time is None
+    metrics = {}
+    while core.has_unfinished_requests():
+        for d in core.step():
+            assert (d.metrics is not None) == d.finished, "metrics ride on the terminal delta"
+            if d.finished:
+                metrics[d.request_id] = d.metrics
+    assert len(metrics) == 4
+    for m in metrics.values():
+        assert m.scheduled_time <= m.first_token_time <= m.finished_time
+    assert sum(m.num_preemptions for m in metrics.values()) == core.scheduler.num_preemptions > 0
+    recomputed = [m.num_recomputed_tokens for m in metrics.values() if m.num_preemptions]
+    assert sum(recomputed) > 0  # the prefix cache may hand back some of the dropped blocks
+    assert all(m.num_recomputed_tokens == 0 for m in metrics.values() if not m.num_preemptions)
+
+
 def test_priority_then_arrival_order(make_core):
     core = make_core(max_num_seqs=1)
     add(core, "late-low", prompt(5), priority=1)

@@ -21,6 +21,8 @@ def test_text_and_token_prompts_give_the_same_output(llm):
     assert by_text.text == llm.tokenizer.decode(by_text.token_ids, skip_special_tokens=True)
     assert by_text.finish_reason == "length"
     assert llm.generate("Hello world", params)[0].token_ids == by_text.token_ids
+    m = by_text.outputs[0].metrics
+    assert m.scheduled_time <= m.first_token_time <= m.finished_time and m.num_preemptions == 0
 
 
 def test_stop_string_never_leaks_into_the_text(llm):
@@ -137,6 +139,7 @@ def test_beam_search_outputs_ranked_choices(llm):
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
     scores = [c.cumulative_logprob for c in out.outputs]
     assert scores == sorted(scores, reverse=True)
+    assert all(c.metrics.first_token_time <= c.metrics.finished_time for c in out.outputs)
     greedy = llm.generate("The weather", SamplingParams(temperature=0, max_tokens=5,
                                                          ignore_eos=True, logprobs=0))[0]
     greedy_score = sum(lp[t] for t, lp in zip(greedy.token_ids, greedy.logprobs, strict=True))

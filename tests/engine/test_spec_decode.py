@@ -174,12 +174,19 @@ def test_speculation_under_preemption_keeps_greedy_output(tiny_model_dir):
         for i, p in enumerate(prompts):
             core.add_request(AddRequest(request_id=str(i), prompt_token_ids=p, sampling=params))
         outputs: dict[str, list[int]] = {}
+        metrics = []
         while core.has_unfinished_requests():
             for d in core.step():
                 outputs.setdefault(d.request_id, []).extend(d.new_token_ids)
+                if d.finished:
+                    metrics.append(d.metrics)
         results.append(outputs)
         stats = core.stats()
         assert stats.kv_blocks_free == stats.kv_blocks_total
+        # each request's timeline carries its share of the engine's totals
+        assert sum(m.num_spec_draft_tokens for m in metrics) == stats.spec_draft_tokens
+        assert sum(m.num_spec_accepted_tokens for m in metrics) == stats.spec_accepted_tokens
+        assert sum(m.num_preemptions for m in metrics) == stats.num_preemptions
         if options:
             assert stats.num_preemptions > 0 and stats.spec_verify_steps > 0
         if options.get("speculative_method") == "draft":
