@@ -1,11 +1,10 @@
-"""The Starlette app: OpenAI endpoints (JSON and SSE), cancel, health, version and metrics.
+"""The Starlette app: OpenAI endpoints (JSON and SSE), cancel, health, version, metrics, OpenAPI.
 
 `build_app(client, settings)` takes any EngineClient-shaped object, so tests can script one.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from gateway.chunks import Accumulator, ChunkBuilder
 from gateway.errors import ApiError
 from gateway.generation import EngineClientLike, Generation
 from gateway.metrics import CONTENT_TYPE
+from gateway.openapi import openapi_document, package_version
 from gateway.protocol import (
     AnyRequest,
     ChatCompletionRequest,
@@ -41,13 +41,6 @@ from ipc.messages import FINISH_ERROR
 DONE = b"data: [DONE]\n\n"
 PING = b": ping\n\n"
 STATIC = Path(__file__).parent / "static"  # the chat page (clients/typescript builds sdk/)
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("pagedserve")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.0.0"
 
 
 def sse_event(payload: object) -> bytes:
@@ -162,7 +155,7 @@ class Handlers:
     async def version(self, request: Request) -> Response:
         info = self.gw.client.info
         return JSONResponse({
-            "version": _version(),
+            "version": package_version(),
             "model": info.model if info else None,
             "engine_incarnation": info.incarnation if info else None,
         })
@@ -170,12 +163,20 @@ class Handlers:
     async def metrics(self, request: Request) -> Response:
         return Response(self.gw.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def openapi(self, request: Request) -> Response:
+        return _json(openapi_document())
+
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own 404/405 in the API's error shape."""
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     return ApiError(exc.status_code, str(exc.detail), code).response()
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """A bug's 500 in the API's error shape (Starlette still re-raises it for the server's log)."""
+    return ApiError(500, "internal server error", "internal_error").response()
 
 
 def _json(payload: object, headers: dict[str, str] | None = None) -> Response:
@@ -195,6 +196,7 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
         Route("/livez", h.livez, methods=["GET"]),
         Route("/version", h.version, methods=["GET"]),
         Route("/metrics", h.metrics, methods=["GET"]),
+        Route("/openapi.json", h.openapi, methods=["GET"]),
         WebSocketRoute("/v1/ws", WebSocketEndpoint(gw)),
         Route("/", lambda request: FileResponse(STATIC / "index.html"), methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
@@ -207,6 +209,6 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
         Middleware(ApiKeyMiddleware, api_key=gw.settings.api_key),
     ]
     app = Starlette(routes=routes, middleware=middleware,
-                    exception_handlers={HTTPException: _http_error})
+                    exception_handlers={HTTPException: _http_error, Exception: _server_error})
     app.state.gateway = gw
     return app

@@ -18,7 +18,9 @@ PosInt = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# NOTE: printable ASCII without space or `/`: it is sent back in the X-Request-Id header and
+# names the request in the cancel URL's path.
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[!-.0-~]+$")]
 
 
 class StreamOptions(msgspec.Struct):

@@ -231,6 +231,11 @@ BAD_INPUTS = [
     ("empty messages", b'{"messages": []}', 400, "invalid_value"),
     ("wrong type", json.dumps({**CHAT, "stream": "yes"}).encode(), 400, "invalid_value"),
     ("unknown model", json.dumps({**CHAT, "model": "gpt-9"}).encode(), 404, "model_not_found"),
+    # X-Request-Id echoes it (latin-1 only, no control characters) and the cancel URL names it
+    ("request_id not ASCII", json.dumps({**CHAT, "request_id": "r\u5afd"}).encode(), 400,
+     "invalid_value"),
+    ("request_id with a slash", json.dumps({**CHAT, "request_id": "a/b"}).encode(), 400,
+     "invalid_value"),
     ("context", json.dumps({**CHAT, "max_tokens": 10_000}).encode(), 400,
      "context_length_exceeded"),
     ("too large", b'{"x": "' + b"a" * 300_000 + b'"}', 413, "request_too_large"),
@@ -248,3 +253,14 @@ async def test_bad_inputs(fake_engine: FakeEngine, name: str, body: bytes, statu
     error = response.json()["error"]
     assert error["code"] == code and isinstance(error["message"], str)
     assert set(error) == {"message", "type", "param", "code"}
+
+
+async def test_a_bug_is_a_json_500(fake_engine: FakeEngine) -> None:
+    def broken(msg: object) -> None:
+        raise KeyError("a bug")
+
+    fake_engine.submit = broken  # type: ignore[method-assign]
+    async with serve(_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        response = await http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == "internal_error"

@@ -1,0 +1,210 @@
+"""The gateway's OpenAPI 3.1 document, built from the msgspec types it decodes and encodes.
+
+Served at `/openapi.json`; tests/gateway/test_openapi.py fuzzes the gateway against it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from typing import Any, Literal, get_args
+
+import msgspec
+
+from gateway.errors import ErrorEnvelope
+from gateway.protocol import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelList,
+)
+
+REF = "#/components/schemas/{name}"
+Schema = dict[str, Any]
+# NOTE: /v1 checks a key only when the server has one (--api-key), hence "bearer or nothing".
+BEARER: list[dict[str, list[str]]] = [{"bearerAuth": []}, {}]
+
+
+# Bodies the handlers write as plain dicts, described here.
+class Health(msgspec.Struct):
+    status: Literal["ok", "draining", "engine_unavailable"]
+
+
+class Liveness(msgspec.Struct):
+    status: Literal["alive"]
+
+
+class VersionInfo(msgspec.Struct):
+    version: str
+    model: str | None  # None until the engine has said hello
+    engine_incarnation: str | None
+
+
+class Cancelled(msgspec.Struct):
+    id: str
+    object: Literal["request.cancelled"]
+    cancelled: bool
+
+
+REQUESTS = (ChatCompletionRequest, CompletionRequest)
+RESPONSES = (ChatCompletion, ChatCompletionChunk, Completion, ModelList, ErrorEnvelope, Health,
+             Liveness, VersionInfo, Cancelled)
+
+
+def _structs(tp: Any, found: dict[str, type]) -> dict[str, type]:
+    """Every Struct class in `tp`'s type tree, by name (as msgspec names the components)."""
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        if tp.__name__ in found:
+            return found
+        found[tp.__name__] = tp
+        for field in msgspec.structs.fields(tp):
+            _structs(field.type, found)
+    for arg in get_args(tp):
+        _structs(arg, found)
+    return found
+
+
+def _mark_sent_fields_required(components: dict[str, Schema]) -> None:
+    """msgspec calls a field with a default optional, as it is when decoding; but a response
+    struct encodes every field (unless omit_defaults), so clients may count on all of them."""
+    requests: dict[str, type] = {}
+    responses: dict[str, type] = {}
+    for tp in REQUESTS:
+        _structs(tp, requests)
+    for tp in RESPONSES:
+        _structs(tp, responses)
+    for name, cls in responses.items():
+        if name not in requests and not cls.__struct_config__.omit_defaults:
+            components[name]["required"] = list(components[name]["properties"])
+
+
+def _json(schema: Schema, description: str, headers: dict[str, Any] | None = None) -> Schema:
+    out: Schema = {"description": description, "content": {"application/json": {"schema": schema}}}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying",
+                               "required": True, "schema": {"type": "integer", "minimum": 1}}}
+REQUEST_ID = {"X-Request-Id": {"description": "the request's id (cancel it by this id)",
+                               "required": True, "schema": {"type": "string"}}}
+
+
+def _events(chunk: Schema) -> Schema:
+    """One server-sent event: `data:` holds a chunk, a mid-stream error, or the final `[DONE]`.
+
+    NOTE: OpenAPI 3.1 cannot describe the events of a stream (3.2 adds `itemSchema`); this
+    `schema` describes each event, as Schemathesis reads a 3.1 text/event-stream schema.
+    """
+    payload = {"contentMediaType": "application/json",
+               "contentSchema": {"anyOf": [chunk, {"$ref": REF.format(name="ErrorEnvelope")}]}}
+    return {"type": "object", "required": ["data"], "properties": {
+        "data": {"type": "string", "if": {"const": "[DONE]"}, "else": payload},
+        "event": {"type": "string"},
+    }}
+
+
+ERRORS = {
+    400: "invalid request (validation, context length, chat template)",
+    401: "missing or wrong API key (only when the server has one)",
+    404: "unknown model, route or running request",
+    413: "request body too large",
+    500: "the engine failed this request (or the gateway has a bug)",
+    503: "engine not ready, overloaded or draining",
+}
+
+
+def _errors(refs: dict[str, Schema], *statuses: int) -> dict[str, Schema]:
+    return {str(s): _json(refs["ErrorEnvelope"], ERRORS[s], RETRY_AFTER if s == 503 else None)
+            for s in statuses}
+
+
+HI = [{"role": "user", "content": "Hello!"}]
+CHAT_EXAMPLES = {
+    "chat": {"value": {"messages": HI, "max_tokens": 16}},
+    "stream": {"summary": "streamed, with logprobs and a final usage chunk", "value": {
+        "messages": HI, "max_tokens": 16, "stream": True, "logprobs": True, "top_logprobs": 2,
+        "stream_options": {"include_usage": True}}},
+}
+COMPLETION_EXAMPLES = {
+    "text": {"value": {"prompt": "The capital of France is", "max_tokens": 8}},
+    "stream": {"summary": "streamed, with logprobs and a final usage chunk", "value": {
+        "prompt": "The capital of France is", "max_tokens": 8, "stream": True, "logprobs": 2,
+        "stream_options": {"include_usage": True}}},
+}
+
+
+def _generate(refs: dict[str, Schema], operation_id: str, request: str, response: str,
+              chunk: str, examples: dict[str, Schema]) -> Schema:
+    ok: Schema = {
+        "description": f"a {response}; with `stream: true`, server-sent events of "
+                       f"{chunk} ending with `data: [DONE]`",
+        "headers": REQUEST_ID,
+        "content": {"application/json": {"schema": refs[response]},
+                    "text/event-stream": {"schema": _events(refs[chunk])}},
+    }
+    return {"post": {
+        "operationId": operation_id,
+        "security": BEARER,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": refs[request], "examples": examples}}},
+        "responses": {"200": ok, **_errors(refs, 400, 401, 404, 413, 500, 503)},
+    }}
+
+
+def _get(operation_id: str, responses: dict[str, Schema]) -> Schema:
+    return {"get": {"operationId": operation_id, "responses": responses}}
+
+
+@functools.cache
+def openapi_document() -> dict[str, Any]:
+    """The document (built once; callers must not mutate it)."""
+    types = REQUESTS + RESPONSES
+    refs_list, components = msgspec.json.schema_components(types, ref_template=REF)
+    refs = {t.__name__: ref for t, ref in zip(types, refs_list, strict=True)}
+    _mark_sent_fields_required(components)
+    cancel_path = {"name": "request_id", "in": "path", "required": True,
+                   "schema": {"type": "string", "minLength": 1}}
+    paths = {
+        "/v1/models": {"get": {
+            "operationId": "listModels", "security": BEARER,
+            "responses": {"200": _json(refs["ModelList"], "the served model"),
+                          **_errors(refs, 401)}}},
+        "/v1/chat/completions": _generate(refs, "createChatCompletion", "ChatCompletionRequest",
+                                          "ChatCompletion", "ChatCompletionChunk", CHAT_EXAMPLES),
+        "/v1/completions": _generate(refs, "createCompletion", "CompletionRequest", "Completion",
+                                     "Completion", COMPLETION_EXAMPLES),
+        "/v1/requests/{request_id}/cancel": {"post": {
+            "operationId": "cancelRequest", "security": BEARER, "parameters": [cancel_path],
+            "responses": {"200": _json(refs["Cancelled"], "the engine was told to abort it"),
+                          **_errors(refs, 401, 404)}}},
+        "/health": _get("health", {
+            "200": _json(refs["Health"], "ready"),
+            "503": _json(refs["Health"], "engine not ready, or draining", RETRY_AFTER)}),
+        "/livez": _get("livez", {"200": _json(refs["Liveness"], "the process is alive")}),
+        "/version": _get("version", {"200": _json(refs["VersionInfo"], "versions")}),
+        "/metrics": _get("metrics", {"200": {
+            "description": "Prometheus text exposition",
+            "content": {"text/plain": {"schema": {"type": "string"}}}}}),
+        "/openapi.json": _get("openapi", {"200": _json({"type": "object"}, "this document")}),
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pagedserve", "version": package_version(),
+                 "description": "OpenAI-compatible completions and chat completions."},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("pagedserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"

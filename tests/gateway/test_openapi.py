@@ -1,0 +1,120 @@
+"""The gateway's OpenAPI document: valid, covering every route, and true of a real server
+(Schemathesis fuzzes each operation under uvicorn with the scripted engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections import Counter
+
+import httpx
+import pytest
+import requests
+import schemathesis
+from gateway_fakes import FakeEngine, serve
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+from starlette.routing import Route
+
+from gateway.app import build_app
+from gateway.openapi import openapi_document
+from gateway.service import GatewaySettings
+
+pytestmark = pytest.mark.timeout(120)
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
+          response_schema_conformance, response_headers_conformance]
+SETTINGS = settings(max_examples=30, derandomize=True, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                           HealthCheck.data_too_large])
+RUNNING = "fuzz-running"  # a request the cancel operation's explicit case cancels
+
+
+def _schema() -> schemathesis.BaseSchema:
+    return schemathesis.openapi.from_dict(copy.deepcopy(openapi_document()))
+
+
+OPERATIONS = [result.ok().label for result in _schema().get_all_operations()]
+
+
+def test_document_is_valid_and_covers_every_route(fake_engine: FakeEngine) -> None:
+    _schema().validate()  # against the OpenAPI 3.1 meta-schema
+    # HEAD comes with every GET; `/` is the chat page; /static and /v1/ws are not HTTP APIs.
+    served = {f"{method} {route.path}" for route in build_app(fake_engine).routes
+              if isinstance(route, Route) and route.path != "/"
+              for method in (route.methods or set()) - {"HEAD"}}
+    assert set(OPERATIONS) == served
+
+
+async def test_served_without_a_key_like_health(fake_engine: FakeEngine) -> None:
+    app = build_app(fake_engine, GatewaySettings(api_key="sekret"))
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as http:
+        response = await http.get("/openapi.json")
+        assert (await http.get("/v1/models")).status_code == 401
+    assert response.status_code == 200 and response.json() == openapi_document()
+
+
+def _explicit_cases(operation: schemathesis.APIOperation) -> list[schemathesis.Case]:
+    """The documented request examples, and a cancel of the request that is running."""
+    if operation.path_parameters:
+        return [operation.Case(path_parameters={"request_id": RUNNING})]
+    body = openapi_document()["paths"][operation.path][operation.method.lower()].get(
+        "requestBody")
+    if body is None:
+        return [operation.Case()]
+    examples = body["content"]["application/json"]["examples"].values()
+    return [operation.Case(body=e["value"], media_type="application/json") for e in examples]
+
+
+def _fuzz(url: str, label: str) -> Counter[str]:
+    """Explicit cases, then valid and (where there is a body) invalid generated ones: every
+    response must pass CHECKS. Returns how many of each status and media type came back."""
+    method, path = label.split(" ", 1)
+    operation = schemathesis.openapi.from_url(f"{url}/openapi.json")[path][method]
+    seen: Counter[str] = Counter()
+    session = requests.Session()
+
+    def check(case: schemathesis.Case) -> None:
+        response = case.call_and_validate(base_url=url, session=session, checks=CHECKS,
+                                          timeout=10)
+        media_type = response.headers.get("content-type", [""])[0].split(";")[0]
+        seen[f"{response.status_code} {media_type}"] += 1
+
+    for case in _explicit_cases(operation):
+        check(case)
+    modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.body else [])
+    for mode in modes:
+
+        @SETTINGS
+        @given(case=operation.as_strategy(mode))
+        def fuzz(case: schemathesis.Case) -> None:
+            check(case)
+
+        fuzz()
+    return seen
+
+
+@pytest.mark.parametrize("label", OPERATIONS)
+async def test_fuzz_against_the_document(fake_engine: FakeEngine, label: str) -> None:
+    fake_engine.interval = 0.0
+    app = build_app(fake_engine)
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as http:
+        running = None
+        if "{request_id}" in label:  # a request for the explicit case to cancel
+            fake_engine.first_delay = 60.0
+            running = asyncio.create_task(
+                http.post("/v1/completions", json={"prompt": "x", "request_id": RUNNING}))
+            while RUNNING not in app.state.gateway.generations:
+                await asyncio.sleep(0.01)
+        seen = await asyncio.to_thread(_fuzz, url, label)
+        if running is not None:
+            assert (await running).json()["choices"][0]["finish_reason"] == "abort"
+    assert any(key.startswith("200 ") for key in seen), seen
+    if label.endswith("completions"):
+        assert seen["200 application/json"] and seen["200 text/event-stream"], seen
