@@ -46,9 +46,10 @@ chromium:
 
 # The long soak (30 minutes of mixed load on the tiny model); `make test` runs a 10 s one.
 SOAK_SECONDS ?= 1800
+SOAK_OUT ?= bench/soak.json
 soak: $(STAMP)
-	PAGEDSERVE_SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python -m pytest -s -p no:cacheprovider \
-		tests/ops/test_soak.py
+	PAGEDSERVE_SOAK_SECONDS=$(SOAK_SECONDS) PAGEDSERVE_SOAK_OUT=$(SOAK_OUT) \
+		$(BIN)/python -m pytest -s -p no:cacheprovider tests/ops/test_soak.py
 
 serve: $(STAMP)
 	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT)

@@ -35,6 +35,7 @@ from gateway.protocol import (
 )
 from gateway.service import Gateway, GatewaySettings
 from gateway.streaming import DisconnectAwareResponse, EventStreamResponse
+from gateway.tracing import trace_headers
 from gateway.ws import WebSocketEndpoint
 from ipc.messages import FINISH_ERROR
 
@@ -86,6 +87,7 @@ class Handlers:
             body = await read_body(request, self.gw.settings.max_body_bytes)
             parsed = decode_request(body, kind)
             job = self.gw.prepare(parsed)
+            job.trace_headers = trace_headers(request.headers)
             gen = self.gw.start(job)
         except ApiError as exc:
             return exc.response()
@@ -204,7 +206,8 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
     middleware = [
         Middleware(CORSMiddleware, allow_origins=list(gw.settings.allowed_origins),
                    allow_methods=["GET", "POST", "OPTIONS"],
-                   allow_headers=["Authorization", "Content-Type"],
+                   allow_headers=["Authorization", "Content-Type", "traceparent",
+                                  "tracestate"],
                    expose_headers=["X-Request-Id", "Retry-After"]),
         Middleware(ApiKeyMiddleware, api_key=gw.settings.api_key),
     ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from msgspec import UNSET
+
 from gateway.generation import Generation, Piece
 from gateway.protocol import (
     ChatChoice,
@@ -15,6 +17,7 @@ from gateway.protocol import (
     Delta,
     Message,
     PromptTokensDetails,
+    Timeline,
     TokenLogprobs,
     TopLogprob,
     Usage,
@@ -64,6 +67,21 @@ def usage_of(gen: Generation) -> Usage:
                  PromptTokensDetails(u["cached_tokens"]))
 
 
+def timeline_of(gen: Generation) -> Timeline:
+    m = gen.engine_metrics
+    return Timeline(
+        queued=gen.job.arrival,
+        scheduled=gen.scheduled_time or (m.scheduled_time if m is not None else None),
+        first_token=gen.first_token_time,
+        finished=gen.finished_time or gen.job.arrival,
+        preemptions=None if m is None else m.num_preemptions,
+        recomputed_tokens=None if m is None else m.num_recomputed_tokens,
+        cached_tokens=gen.cached_tokens,
+        spec_draft_tokens=None if m is None else m.num_spec_draft_tokens,
+        spec_accepted_tokens=None if m is None else m.num_spec_accepted_tokens,
+    )
+
+
 class ChunkBuilder:
     """Builds one stream's chunks: the role in the first chat delta, finish_reason on the last."""
 
@@ -78,6 +96,7 @@ class ChunkBuilder:
         wants_logprobs = job.sampling.logprobs is not None and piece.logprobs
         if not (piece.text or piece.finish_reason or wants_logprobs or not self._sent_role):
             return None
+        timeline = timeline_of(self._gen) if piece.finish_reason else UNSET
         if job.kind == "chat":
             delta = Delta(content=piece.text or None)
             if not self._sent_role:
@@ -85,11 +104,12 @@ class ChunkBuilder:
                 self._sent_role = True
             lp = self._namer.chat(piece.logprobs) if wants_logprobs else None
             choice = ChatChunkChoice(0, delta, lp, piece.finish_reason)
-            return ChatCompletionChunk(job.request_id, job.created, job.model, [choice])
+            return ChatCompletionChunk(job.request_id, job.created, job.model, [choice],
+                                       timeline=timeline)
         lp = self._namer.completion(piece.logprobs, self._offset) if wants_logprobs else None
         self._offset += len(piece.text)
         choice = CompletionChoice(0, piece.text, lp, piece.finish_reason)
-        return Completion(job.request_id, job.created, job.model, [choice])
+        return Completion(job.request_id, job.created, job.model, [choice], timeline=timeline)
 
     def usage_chunk(self) -> Chunk:
         job = self._gen.job
@@ -122,7 +142,8 @@ class Accumulator:
             lp = self._namer.chat(self._logprobs) if want else None
             choice = ChatChoice(0, Message("assistant", text), lp, finish_reason)
             return ChatCompletion(job.request_id, job.created, job.model, [choice],
-                                  usage_of(self._gen))
+                                  usage_of(self._gen), timeline=timeline_of(self._gen))
         lp = self._namer.completion(self._logprobs, 0) if want else None
         return Completion(job.request_id, job.created, job.model,
-                          [CompletionChoice(0, text, lp, finish_reason)], usage_of(self._gen))
+                          [CompletionChoice(0, text, lp, finish_reason)], usage_of(self._gen),
+                          timeline=timeline_of(self._gen))

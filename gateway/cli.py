@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ import uvicorn
 
 from gateway.app import build_app
 from gateway.service import Gateway, GatewaySettings
+from gateway.tracing import traces_url
 from ipc import exit_codes
 from ipc.config import EngineConfig, add_engine_args, config_from_args
 from ipc.sd_notify import Notifier
@@ -52,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may finish after SIGTERM before abort")
     group.add_argument("--log-level", default="info", help="gateway log level")
+    group.add_argument("--otlp-traces-endpoint",
+                       default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+                       help="OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318): one span per "
+                            "request; needs pip install 'pagedserve[otel]' "
+                            "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off)")
     _add_engine_process_args(serve)
     add_engine_args(serve)
     commands.add_parser("engine", help="run one engine process (python -m engine ...)",
@@ -98,6 +105,11 @@ def check_args(ns: argparse.Namespace) -> EngineConfig:
         raise ValueError("--data-parallel-size must be >= 1")
     if ns.attach_engine and not (ns.engine_input_addr and ns.engine_output_addr):
         raise ValueError("--attach-engine needs --engine-input-addr and --engine-output-addr")
+    if ns.otlp_traces_endpoint:
+        traces_url(ns.otlp_traces_endpoint)
+        if importlib.util.find_spec("opentelemetry.sdk") is None:
+            raise ValueError("--otlp-traces-endpoint needs the OpenTelemetry SDK: "
+                             "pip install 'pagedserve[otel]'")
     return config_from_args(ns)
 
 
@@ -139,6 +151,7 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(
         api_key=ns.api_key or None, max_queued_requests=ns.max_queued_requests,
         allowed_origins=origins, max_body_bytes=ns.max_body_bytes,
+        otlp_traces_endpoint=ns.otlp_traces_endpoint or None,
     )
 
 
@@ -196,6 +209,8 @@ async def serve(ns: argparse.Namespace) -> int:
         await asyncio.gather(*tasks, return_exceptions=True)
         notifier.stopping("closing the engine")
         await client.close(timeout=ns.shutdown_timeout)
+        if gateway.tracer is not None:
+            gateway.tracer.shutdown()  # exports the spans still batched
         notifier.close()
     if status == exit_codes.OK and drainer.timed_out:
         status = exit_codes.DRAIN_TIMEOUT

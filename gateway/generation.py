@@ -23,6 +23,7 @@ from ipc.messages import (
     EngineReady,
     EngineStats,
     PositionLogprobs,
+    RequestMetrics,
     TokenDelta,
 )
 from ipc.sampling import SamplingParams
@@ -69,6 +70,7 @@ class Job:
     include_usage: bool = False
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
     arrival: float = field(default_factory=time.time)
+    trace_headers: dict[str, str] = field(default_factory=dict)  # traceparent of the caller
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -115,6 +117,12 @@ class Generation:
             )
         )
         self._submitted = time.monotonic()
+        # the timeline: engine times (time.time() of its host) when it reports them
+        # the timeline (time.time()): scheduled is the engine's, the rest the gateway's
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.engine_metrics: RequestMetrics | None = None  # None if the gateway ended it
         self._first: float | None = None
         self._last: float | None = None
         self._logged = False
@@ -178,7 +186,10 @@ class Generation:
         ids = delta.new_token_ids
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         if delta.scheduled_time is not None:
+            self.scheduled_time = delta.scheduled_time
             self._metrics.queue_time.observe(max(0.0, delta.scheduled_time - self.job.arrival))
+        if delta.metrics is not None:
+            self.engine_metrics = delta.metrics
         if ids:
             self._count_tokens(now, len(ids))
         text = self._detok.add(ids)
@@ -188,10 +199,12 @@ class Generation:
         if stopped:
             # NOTE: a stop string is a normal finish for the client; the engine is aborted.
             self.finish_reason = FINISH_STOP
+            self.finished_time = time.time()
             self._client.abort(self.job.request_id)
             return Piece(safe, ids, delta.logprobs, FINISH_STOP)
         if delta.finished:
             self.finish_reason = delta.finish_reason
+            self.finished_time = time.time()
             safe += self._stops.flush()
             return Piece(safe, ids, delta.logprobs, delta.finish_reason, delta.error)
         if safe or ids:
@@ -202,7 +215,8 @@ class Generation:
         m = self._metrics
         if self._first is None:
             self._first = now
-            m.ttft.observe(time.time() - self.job.arrival)
+            self.first_token_time = time.time()
+            m.ttft.observe(self.first_token_time - self.job.arrival)
         elif self._last is not None:
             m.itl.observe((now - self._last) / n)
         self._last = now
@@ -213,7 +227,9 @@ class Generation:
         if self._logged:
             return
         self._logged = True
-        e2e = time.time() - self.job.arrival
+        if self.finished_time is None:  # aborted: the client left or the gateway closed it
+            self.finished_time = time.time()
+        e2e = self.finished_time - self.job.arrival
         reason = self.finish_reason or FINISH_ABORT
         self._metrics.e2e.observe(e2e)
         self._metrics.requests.labels(finish_reason=reason).inc()

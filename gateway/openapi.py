@@ -77,7 +77,9 @@ def _mark_sent_fields_required(components: dict[str, Schema]) -> None:
         _structs(tp, responses)
     for name, cls in responses.items():
         if name not in requests and not cls.__struct_config__.omit_defaults:
-            components[name]["required"] = list(components[name]["properties"])
+            fields = msgspec.structs.fields(cls)  # an UNSET field is left out while unset
+            components[name]["required"] = [f.encode_name for f in fields
+                                            if f.default is not msgspec.UNSET]
 
 
 def _json(schema: Schema, description: str, headers: dict[str, Any] | None = None) -> Schema:

@@ -9,6 +9,7 @@ import re
 from typing import Annotated, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from gateway.errors import ApiError
 from ipc.sampling import SamplingParams
@@ -202,6 +203,22 @@ class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class Timeline(msgspec.Struct):
+    """One request's life (a pagedserve extension, in the final event). Times are Unix seconds:
+    `scheduled` is the engine's clock, the others the gateway's. The counts are null when the
+    engine did not report them (the gateway ended the request: a stop string, a disconnect)."""
+
+    queued: float  # the gateway accepted the request
+    scheduled: float | None  # the engine took it off its queue (null: never scheduled)
+    first_token: float | None  # the gateway got the first output token
+    finished: float  # the gateway got the last output (or ended the request)
+    preemptions: int | None
+    recomputed_tokens: int | None  # tokens computed again after preemptions that dropped KV
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    spec_draft_tokens: int | None  # speculative decoding: draft tokens proposed
+    spec_accepted_tokens: int | None  # and accepted
+
+
 class TopLogprob(msgspec.Struct):
     token: str
     logprob: float
@@ -257,6 +274,7 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
+    timeline: Timeline | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -264,8 +282,10 @@ class ChatCompletionChunk(msgspec.Struct):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | None = None  # set in the usage chunk (stream_options.include_usage)
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    # NOTE: UNSET fields are left out: only the chunk that carries finish_reason has one
+    timeline: Timeline | UnsetType = UNSET
 
 
 class CompletionChoice(msgspec.Struct):
@@ -280,8 +300,9 @@ class Completion(msgspec.Struct):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
+    usage: Usage | None = None  # streamed: set in the usage chunk
     object: Literal["text_completion"] = "text_completion"
+    timeline: Timeline | UnsetType = UNSET  # streamed: only in the chunk with finish_reason
 
 
 class ModelCard(msgspec.Struct):

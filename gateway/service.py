@@ -9,7 +9,7 @@ import asyncio
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.chunks import TokenNamer
 from gateway.errors import ApiError, unavailable
@@ -17,6 +17,9 @@ from gateway.generation import EngineClientLike, Generation, Job
 from gateway.metrics import Metrics
 from gateway.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, to_sampling
 from gateway.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from gateway.tracing import RequestTracer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +33,7 @@ class GatewaySettings:
     ping_interval: float = 1.0  # SSE `: ping` while nothing arrives
     drain_retry_after: int = 5
     ws_send_queue: int = 256  # frames queued per WebSocket before it is closed 1013
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: a span per request
 
 
 def _engine_exception_types() -> tuple[type[BaseException], ...]:
@@ -52,6 +56,11 @@ class Gateway:
         self.drain_listeners: list[Callable[[], None]] = []
         self._tokenizers: dict[str, Tokenizer] = {}
         self._unavailable = _engine_exception_types()
+        self.tracer: RequestTracer | None = None
+        if self.settings.otlp_traces_endpoint:
+            from gateway.tracing import RequestTracer
+
+            self.tracer = RequestTracer(self.settings.otlp_traces_endpoint)
 
     # ---- readiness --------------------------------------------------------------------
 
@@ -146,6 +155,8 @@ class Gateway:
     def finished(self, gen: Generation) -> None:
         if self.generations.get(gen.job.request_id) is gen:
             del self.generations[gen.job.request_id]
+            if self.tracer is not None:
+                self.tracer.record(gen)
 
     def cancel(self, request_id: str) -> bool:
         if request_id not in self.generations:

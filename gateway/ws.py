@@ -18,11 +18,12 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.auth import bearer_ok
-from gateway.chunks import ChunkBuilder, usage_of
+from gateway.chunks import ChunkBuilder, timeline_of, usage_of
 from gateway.errors import ApiError
 from gateway.generation import Generation
 from gateway.protocol import ChatCompletionRequest, decode_request
 from gateway.service import Gateway
+from gateway.tracing import trace_headers
 from ipc.messages import FINISH_ABORT, FINISH_ERROR
 
 SUBPROTOCOL = "pagedserve.v1"
@@ -241,7 +242,9 @@ class Session:
             if len(self.tasks) >= MAX_GENERATIONS_PER_SOCKET:
                 raise ApiError(429, "too many generations on this socket", "too_many_generations")
             request = decode_request(bytes(raw), ChatCompletionRequest)
-            gen = self.gw.start(self.gw.prepare(request))
+            job = self.gw.prepare(request)
+            job.trace_headers = trace_headers(self.ws.headers)  # the handshake's
+            gen = self.gw.start(job)
         except ApiError as exc:
             self._error(gen_id, exc)
             return
@@ -275,7 +278,8 @@ class Session:
         status = "cancelled" if cancelled or gen.finish_reason == FINISH_ABORT else "completed"
         self.push({"type": "generation.done", "id": gen_id, "status": status,
                    "finish_reason": gen.finish_reason,
-                   "usage": msgspec.to_builtins(usage_of(gen))})
+                   "usage": msgspec.to_builtins(usage_of(gen)),
+                   "timeline": msgspec.to_builtins(timeline_of(gen))})
 
     # ---- frames out ---------------------------------------------------------------------
 

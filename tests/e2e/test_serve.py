@@ -97,6 +97,13 @@ def test_openai_client(url: str) -> None:
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].usage.completion_tokens == 12
+    # the engine's timeline reaches the client in the final event of both shapes
+    assert chunks[-2].choices[0].finish_reason == "length"
+    for timeline in (reply.model_extra["timeline"], chunks[-2].model_extra["timeline"]):
+        assert timeline["queued"] <= timeline["scheduled"] <= timeline["first_token"]
+        assert timeline["first_token"] <= timeline["finished"]
+        assert timeline["preemptions"] == timeline["recomputed_tokens"] == 0
+        assert timeline["spec_draft_tokens"] == timeline["spec_accepted_tokens"] == 0
     seeded = [client.completions.create(model=model, prompt="Once upon a time", max_tokens=8,
                                         temperature=1.0, seed=7).choices[0].text
               for _ in range(2)]
@@ -133,6 +140,7 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(url: str) -> None:
                                            temperature=0)
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached >= 64 and cached < again.usage.prompt_tokens
+    assert again.model_extra["timeline"]["cached_tokens"] == cached
     assert again.choices[0].message.content == first.choices[0].message.content
     assert _metric(url, "pagedserve_prefix_cache_hits_total") - hits_before >= cached
     assert _metric(url, "pagedserve_prefix_cache_queries_total") > 0

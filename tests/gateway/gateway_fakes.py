@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from ipc.messages import (
     EngineReady,
     EngineStats,
     PositionLogprobs,
+    RequestMetrics,
     TokenDelta,
     TokenLogprob,
 )
@@ -40,6 +42,11 @@ class FakeStream:
     async def aclose(self) -> None:
         if not self.done:
             self._engine.abort(self.request_id)
+
+
+# what the fake engine reports for every request it finishes (RequestMetrics counts)
+FAKE_COUNTS = dict(num_preemptions=1, num_recomputed_tokens=3, num_spec_draft_tokens=4,
+                   num_spec_accepted_tokens=2)
 
 
 class FakeEngine:
@@ -115,9 +122,15 @@ class FakeEngine:
             if msg.sampling.logprobs is not None:
                 top = [TokenLogprob(token, -0.5)][: msg.sampling.logprobs]
                 lp = [PositionLogprobs(token, -0.5, 1, top)]
+            now = time.time()
+            if i == 0:
+                scheduled, first = now - self.interval, now
             stream.queue.put_nowait(TokenDelta(
                 request_id=msg.request_id, new_token_ids=[token], finish_reason=reason,
-                logprobs=lp, num_prompt_tokens=len(msg.prompt_token_ids)))
+                logprobs=lp, num_prompt_tokens=len(msg.prompt_token_ids),
+                scheduled_time=scheduled if i == 0 else None,
+                metrics=RequestMetrics(scheduled_time=scheduled, first_token_time=first,
+                                       finished_time=now, **FAKE_COUNTS) if last else None))
         self._tasks.pop(msg.request_id, None)
         self._update_stats()
 

@@ -173,6 +173,31 @@ async def test_client_gone_while_sending_its_body_counts(fake_engine: FakeEngine
         assert fake_engine.submitted == [] and app.state.gateway.generations == {}
 
 
+async def test_final_event_carries_the_timeline(fake_engine: FakeEngine) -> None:
+    counts = {"preemptions": 1, "recomputed_tokens": 3, "spec_draft_tokens": 4,
+              "spec_accepted_tokens": 2}
+    async with serve(_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        reply = (await http.post("/v1/chat/completions", json=CHAT)).json()
+        response = await http.post("/v1/completions", json={"prompt": "x", "stream": True,
+                                                            "max_tokens": 3})
+        chunks = [json.loads(e[6:]) for e in (await _sse_events(response))[:-1]]
+        stopped = (await http.post("/v1/chat/completions",
+                                   json={**CHAT, "stop": ["how"]})).json()
+    streamed = chunks[-1]["timeline"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("timeline" not in c for c in chunks[:-1])
+    assert {c["object"] for c in chunks} == {"text_completion"}
+    for timeline in (reply["timeline"], streamed):
+        assert timeline["queued"] <= timeline["scheduled"] <= timeline["first_token"]
+        assert timeline["first_token"] <= timeline["finished"]
+        assert {k: timeline[k] for k in counts} == counts
+        assert timeline["cached_tokens"] == 0
+    # a stop string ends it in the gateway: the engine's counts are not known then
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["timeline"]["scheduled"] is not None
+    assert all(stopped["timeline"][k] is None for k in counts)
+
+
 async def test_api_key_and_health(fake_engine: FakeEngine) -> None:
     async with serve(_app(fake_engine, api_key="sekret")) as url, \
             httpx.AsyncClient(base_url=url) as http:

@@ -54,6 +54,9 @@ async def test_interleaved_generations_and_cancel(fake_engine: FakeEngine) -> No
     done = {f["id"]: f for f in frames if f["type"] == "generation.done"}
     assert done["b"]["status"] == "cancelled" and done["b"]["finish_reason"] == "abort"
     assert done["a"]["status"] == done["c"]["status"] == "completed"
+    assert done["a"]["timeline"]["preemptions"] == 1  # the engine's counts reach the client
+    assert done["b"]["timeline"]["preemptions"] is None  # cancelled: the gateway ended it
+    assert done["b"]["timeline"]["finished"] >= done["b"]["timeline"]["first_token"]
     for gen_id in ("a", "c"):
         deltas = [f for f in frames if f["type"] == "generation.delta" and f["id"] == gen_id]
         assert [d["seq"] for d in deltas] == list(range(len(deltas)))

@@ -1,6 +1,8 @@
 """Soak: mixed load (SSE, JSON, disconnects, cancel calls, WebSocket with cancels) on a real
 server for $PAGEDSERVE_SOAK_SECONDS (default 10; `make soak` runs 1800). At the end nothing is
-held, every admitted request finished exactly once, and memory and descriptors stay flat."""
+held, every admitted request finished exactly once, and memory and descriptors stay flat.
+Samples of RSS, descriptors and KV blocks in use over the run are printed, and written as JSON
+to $PAGEDSERVE_SOAK_OUT when it is set."""
 
 from __future__ import annotations
 
@@ -114,6 +116,23 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+async def sample(server: Server, engine: int, t0: float, period: float,
+                 samples: list[dict[str, float]]) -> None:
+    """Every `period` s: elapsed s, gateway and engine RSS (MiB), descriptors, blocks in use."""
+    from tiny_server import metric
+
+    while True:
+        total, free, running = await asyncio.to_thread(
+            lambda: [metric(server.url, f"pagedserve_{name}") for name in
+                     ("kv_blocks_total", "kv_blocks_free", "requests_running")])
+        samples.append({"t": round(time.monotonic() - t0, 1),
+                        "gateway_rss_mib": round(rss_bytes(server.proc.pid) / 2**20, 1),
+                        "engine_rss_mib": round(rss_bytes(engine) / 2**20, 1),
+                        "gateway_fds": open_fds(server.proc.pid),
+                        "kv_blocks_used": total - free, "running": running})
+        await asyncio.sleep(period)
+
+
 async def test_soak(tmp_path: Path) -> None:
     server = Server(tmp_path)
     try:
@@ -126,13 +145,25 @@ async def test_soak(tmp_path: Path) -> None:
             await asyncio.gather(*(load.worker(http, warmup) for _ in range(CONCURRENCY)))
             await wait_engine_idle(server.url)
             before = (rss_bytes(server.proc.pid), rss_bytes(engine), open_fds(server.proc.pid))
-            deadline = time.monotonic() + SECONDS
+            t0 = time.monotonic()
+            deadline = t0 + SECONDS
+            samples: list[dict[str, float]] = []
+            sampler = asyncio.create_task(sample(server, engine, t0, max(1.0, SECONDS / 30),
+                                                 samples))
             await asyncio.gather(*(load.worker(http, deadline) for _ in range(CONCURRENCY)))
+            sampler.cancel()
         await wait_engine_idle(server.url, timeout=10)
         after = (rss_bytes(server.proc.pid), rss_bytes(engine), open_fds(server.proc.pid))
+        for s in samples:
+            print("soak sample", json.dumps(s))
         print(f"soak {SECONDS:g}s: {len(load.sent)} requests {dict(load.outcomes)}; "
               f"gateway RSS {before[0] >> 20}->{after[0] >> 20} MiB, engine RSS "
               f"{before[1] >> 20}->{after[1] >> 20} MiB, gateway fds {before[2]}->{after[2]}")
+        if os.environ.get("PAGEDSERVE_SOAK_OUT"):
+            Path(os.environ["PAGEDSERVE_SOAK_OUT"]).write_text(json.dumps({
+                "seconds": SECONDS, "requests": len(load.sent), "outcomes": load.outcomes,
+                "before": before, "after": after, "samples": samples}, indent=1))
+        assert samples, "the sampler never ran"
         assert server.engine_pid() == engine, "the engine never restarted"
         assert after[0] - before[0] < 48 << 20 and after[1] - before[1] < 96 << 20
         assert after[2] <= before[2] + 8
