@@ -117,7 +117,6 @@ class Generation:
             )
         )
         self._submitted = time.monotonic()
-        # the timeline: engine times (time.time() of its host) when it reports them
         # the timeline (time.time()): scheduled is the engine's, the rest the gateway's
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
