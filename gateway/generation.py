@@ -116,13 +116,11 @@ class Generation:
                 cache_salt=job.cache_salt,
             )
         )
-        self._submitted = time.monotonic()
         # the timeline (time.time()): scheduled is the engine's, the rest the gateway's
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.engine_metrics: RequestMetrics | None = None  # None if the gateway ended it
-        self._first: float | None = None
         self._last: float | None = None
         self._logged = False
         self._closed = False
@@ -131,7 +129,7 @@ class Generation:
     @property
     def started(self) -> bool:
         """True once the engine has answered (the request left its queue)."""
-        return self._first is not None
+        return self.first_token_time is not None
 
     @property
     def usage(self) -> dict[str, int]:
@@ -212,8 +210,7 @@ class Generation:
 
     def _count_tokens(self, now: float, n: int) -> None:
         m = self._metrics
-        if self._first is None:
-            self._first = now
+        if self.first_token_time is None:
             self.first_token_time = time.time()
             m.ttft.observe(self.first_token_time - self.job.arrival)
         elif self._last is not None:
@@ -237,6 +234,6 @@ class Generation:
             finish_reason=reason, e2e_s=round(e2e, 4),
             **self.usage,
         )
-        if self._first is not None:
-            fields["ttft_s"] = round(self._first - self._submitted, 4)
+        if self.first_token_time is not None:  # the same TTFT as the histogram and timeline
+            fields["ttft_s"] = round(self.first_token_time - self.job.arrival, 4)
         log.info("request.finished", **fields)
