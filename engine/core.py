@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from engine.kv_manager import KVCacheManager
+from engine.models.cpu_linear import pack_linears, resolve_mode
 from engine.models.loader import load_model
 from engine.preemption import PreemptionCost
 from engine.request import Request
@@ -49,6 +50,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_gpu_blocks, self.block_size,
                                  config.enable_prefix_caching, self.num_cpu_blocks)
         params = sum(p.numel() for p in model.parameters())
+        self.cpu_linear = self._pack(model)
         preemption = PreemptionCost(block_bytes, 2.0 * params, self.device.type,
                                     config.preemption_mode)
         self.scheduler = Scheduler(
@@ -143,7 +145,15 @@ class EngineCore:
             raise ValueError(
                 f"the speculative model's vocabulary ({cfg.vocab_size}) differs from the "
                 f"target's ({self.model_config.vocab_size}): it must share the tokenizer")
+        self._pack(draft)
         return draft
+
+    def _pack(self, model: torch.nn.Module) -> str:
+        if self.config.tensor_parallel_size > 1:
+            return "torch"  # NOTE: the ranks hold the weights; the driver's model is a shell
+        mode = resolve_mode(self.config.cpu_linear, model, self.device, self.dtype)
+        pack_linears(model, mode)
+        return mode
 
     def _count(self, out) -> None:
         for req, n in out.scheduled:

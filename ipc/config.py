@@ -14,6 +14,7 @@ _ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
+_CPU_LINEARS = ("auto", "torch", "onednn", "dual")
 _SPECULATIVE_METHODS = ("ngram", "self", "draft")
 
 
@@ -98,6 +99,12 @@ class EngineConfig:
     num_threads: int | None = field(
         default=None, metadata={"help": "torch CPU threads (default: torch's choice)"}
     )
+    cpu_linear: str = field(
+        default="auto", metadata={"help": "CPU float32 matmuls: torch (checkpoint layout), onednn "
+                                          "(weights prepacked once), dual (both, picked by row "
+                                          "count; weights twice); auto: dual if it fits",
+                                  "choices": _CPU_LINEARS}
+    )
     tensor_parallel_size: int = field(
         default=1, metadata={"help": "ranks the model is split across, one process each "
                                      "(NCCL on GPUs, gloo on CPU)"}
@@ -122,6 +129,8 @@ class EngineConfig:
             raise ValueError("kv_cache_space must be > 0")
         if self.attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}")
+        if self.cpu_linear not in _CPU_LINEARS:
+            raise ValueError(f"cpu_linear must be one of {_CPU_LINEARS}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:

@@ -82,6 +82,8 @@ def assert_parity(ours: list[int], ref: tuple[list[int], list[torch.Tensor]], la
     "options",
     [
         pytest.param({}, id="default"),
+        pytest.param({"cpu_linear": "torch"}, id="linear-torch"),
+        pytest.param({"cpu_linear": "onednn"}, id="linear-onednn"),
         pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
         pytest.param({"max_num_batched_tokens": 48}, id="chunked-prefill"),
         pytest.param({"num_gpu_blocks": 26, "max_num_batched_tokens": 128,

@@ -1,0 +1,74 @@
+"""The bundled model's linear layers per decode step: torch vs oneDNN-prepacked vs dual.
+
+Runs every linear product of one forward pass (30 layers' qkv, o, gate_up, down, then the LM
+head) at several row counts, the three modes interleaved call by call so machine drift hits
+all alike, and prints the median milliseconds and the ratio to torch (`F.linear` on the
+checkpoint layout, the engine's reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+from engine.models.cpu_linear import PackedLinear
+from engine.models.loader import load_model
+from ipc.model_source import resolve_model
+
+
+def layer_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    found = [(m.weight, m.bias) for m in model.modules() if type(m) is nn.Linear]
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    return [*found, (head.weight, None)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", default="1,2,3,4,8,16,32,64")
+    parser.add_argument("--iters", type=int, default=9)
+    parser.add_argument("--num-threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    model, _ = load_model(resolve_model(None), torch.float32, torch.device("cpu"))
+    weights = layer_weights(model)
+    modes = {
+        "torch": [_dense(w, b) for w, b in weights],
+        "onednn": [PackedLinear(w, b, keep_dense=False) for w, b in weights],
+        "dual": [PackedLinear(w, b, keep_dense=True) for w, b in weights],
+    }
+    print(f"bundled model, {len(weights)} linear products per step, float32, "
+          f"{torch.get_num_threads()} threads; median ms of {args.iters} interleaved rounds")
+    print(f"{'rows':>5} " + " ".join(f"{m:>8}" for m in modes) + "   speedup: onednn    dual")
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(rows, max(w.shape[1] for w, _ in weights))
+        times = {m: [] for m in modes}
+        for i in range(args.iters + 1):
+            for mode, layers in modes.items():
+                t0 = time.perf_counter()
+                for layer in layers:
+                    layer(x[:, : layer.in_features])
+                if i:  # the first round warms up
+                    times[mode].append(time.perf_counter() - t0)
+        med = {m: sorted(t)[len(t) // 2] * 1e3 for m, t in times.items()}
+        print(f"{rows:>5} " + " ".join(f"{med[m]:>8.1f}" for m in modes)
+              + f"   {med['torch'] / med['onednn']:>11.2f}x {med['torch'] / med['dual']:>8.2f}x")
+
+
+class _dense(nn.Module):
+    """F.linear on the checkpoint layout, as nn.Linear runs it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.in_features = weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+if __name__ == "__main__":
+    main()
