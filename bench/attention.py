@@ -1,6 +1,6 @@
 """Paged attention timings against baselines measured in the same run.
 
-CPU (default): the torch backend's paged decode against SDPA over a contiguous cache.
+CPU (default): the torch and cpu backends' paged decode against SDPA over a contiguous cache.
 GPU (`--device cuda`): decode and prefill per backend; decode bandwidth against a
 device-to-device copy, prefill TFLOP/s against a bf16 matrix product.
 """
@@ -65,44 +65,53 @@ def timed(fn: Callable[[], object], device: str, iters: int, warmup: int = 2) ->
     return sorted(times)[len(times) // 2]
 
 
-def timed_pair(fn_a: Callable[[], object], fn_b: Callable[[], object], iters: int
-               ) -> tuple[float, float]:
-    """Median seconds of two CPU functions, calls interleaved so load drift hits both alike."""
-    a, b = [], []
-    for i in range(iters + 2):
-        for fn, out in ((fn_a, a), (fn_b, b)):
-            t0 = time.perf_counter()
-            fn()
-            if i >= 2:  # warmup
-                out.append(time.perf_counter() - t0)
-    return sorted(a)[len(a) // 2], sorted(b)[len(b) // 2]
-
-
 # ---- CPU: paged vs contiguous decode -----------------------------------------------------------
 
 def cpu_decode(batch: int, context: int, heads: int, kv_heads: int, head_dim: int,
-               iters: int) -> tuple[float, float]:
+               iters: int) -> dict[str, float]:
+    """Median seconds per call of each CPU backend's paged decode and of the contiguous SDPA."""
     q, k_cache, v_cache, meta = paged_batch([1] * batch, [context] * batch, heads, kv_heads,
                                             head_dim, torch.float32, torch.float32, "cpu")
-    backend = get_backend("torch")
     scale = 1 / math.sqrt(head_dim)
     # the baseline: the same K/V already contiguous per sequence, one 4-D SDPA (GQA as rows)
     k = torch.randn(batch, kv_heads, context, head_dim)
     v = torch.randn(batch, kv_heads, context, head_dim)
     qg = q.view(batch, kv_heads, heads // kv_heads, head_dim)
-    return timed_pair(lambda: backend.paged_attention(q, k_cache, v_cache, meta, scale),
-                      lambda: F.scaled_dot_product_attention(qg, k, v, scale=scale), iters)
+    fns = {"contiguous": lambda: F.scaled_dot_product_attention(qg, k, v, scale=scale)}
+    for name in ("torch", "cpu"):
+        try:
+            mod = get_backend(name)
+        except ValueError as e:
+            print(f"skip {name}: {e}")
+            continue
+        fns[name] = lambda mod=mod: mod.paged_attention(q, k_cache, v_cache, meta, scale)
+    return timed_all(fns, iters)
+
+
+def timed_all(fns: dict[str, Callable[[], object]], iters: int) -> dict[str, float]:
+    """Median seconds of each CPU function, calls interleaved so load drift hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(iters + 2):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if i >= 2:  # warmup
+                times[name].append(time.perf_counter() - t0)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def run_cpu(args: argparse.Namespace) -> None:
     # SmolLM2-135M's attention shape: 9 query heads, 3 KV heads, head dim 64
-    print("torch backend paged decode vs SDPA over a contiguous cache (fp32, 9/3 heads, d 64, "
-          f"{torch.get_num_threads()} threads)")
-    print(f"{'batch':>6} {'context':>8} {'paged ms':>9} {'contig ms':>10} {'ratio':>6}")
-    for batch, context in ((1, 512), (8, 1024), (32, 512)):
-        paged, dense = cpu_decode(batch, context, 9, 3, 64, args.iters)
-        print(f"{batch:>6} {context:>8} {paged * 1e3:>9.2f} {dense * 1e3:>10.2f} "
-              f"{paged / dense:>6.2f}")
+    print("paged decode vs SDPA over a contiguous cache (fp32, 9/3 heads, d 64, "
+          f"{torch.get_num_threads()} threads); ms, and ratio to contiguous")
+    print(f"{'batch':>6} {'context':>8} {'contig':>8} {'torch':>8} {'cpu':>8} "
+          f"{'torch/contig':>13} {'cpu/contig':>11}")
+    for batch, context in ((1, 512), (1, 4096), (8, 1024), (32, 512), (64, 256)):
+        t = cpu_decode(batch, context, 9, 3, 64, args.iters)
+        dense = t["contiguous"]
+        cells = [f"{t.get(n, math.nan) * 1e3:>8.3f}" for n in ("contiguous", "torch", "cpu")]
+        print(f"{batch:>6} {context:>8} {' '.join(cells)} "
+              f"{t.get('torch', math.nan) / dense:>13.2f} {t.get('cpu', math.nan) / dense:>11.2f}")
 
 
 # ---- GPU: per backend, against copy bandwidth and matmul rate ----------------------------------
@@ -170,12 +179,12 @@ def run_gpu(args: argparse.Namespace) -> None:
                   f"{flops / t / 1e12:6.1f} TFLOP/s {100 * flops / t / mm:5.1f}%")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--backends", default="torch,triton,flash_attn")
     parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     if args.device == "cuda":
         run_gpu(args)

@@ -25,12 +25,12 @@ def layer_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | N
     return [*found, (head.weight, None)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", default="1,2,3,4,8,16,32,64")
     parser.add_argument("--iters", type=int, default=9)
     parser.add_argument("--num-threads", type=int, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     model, _ = load_model(resolve_model(None), torch.float32, torch.device("cpu"))

@@ -135,7 +135,7 @@ def run_engine(args: argparse.Namespace, timer_on: bool) -> tuple[dict, StepTime
     timer = instrument(core) if timer_on else None
     with PeakMemory() as mem:
         result = run(core, prompts, output_lens)
-    params = sum(p.numel() for p in core.runner.model.parameters())
+    params = core.num_params
     batch = min(args.num_requests, config.max_num_seqs)
     gflops = matmul_gflops(batch, cfg.hidden_size, cfg.intermediate_size)
     result.update(system="pagedserve", peak_rss_bytes=mem.peak_rss, peak_cuda_bytes=mem.peak_cuda,

@@ -49,9 +49,10 @@ class EngineCore:
         self.num_cpu_blocks = int(config.swap_space * 2**30 // block_bytes)
         self.kv = KVCacheManager(self.num_gpu_blocks, self.block_size,
                                  config.enable_prefix_caching, self.num_cpu_blocks)
-        params = sum(p.numel() for p in model.parameters())
+        # NOTE: counted before packing: packed weights are not Parameters
+        self.num_params = sum(p.numel() for p in model.parameters())
         self.cpu_linear = self._pack(model)
-        preemption = PreemptionCost(block_bytes, 2.0 * params, self.device.type,
+        preemption = PreemptionCost(block_bytes, 2.0 * self.num_params, self.device.type,
                                     config.preemption_mode)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,

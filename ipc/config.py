@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
 
-_ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+_ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _PREEMPTION_MODES = ("auto", "swap", "recompute")

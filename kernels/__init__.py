@@ -1,6 +1,7 @@
 """Paged attention and KV writes behind one small API, with lazily imported backends.
 
-`get_backend("torch")` is the pure-torch reference every other backend is tested against.
+`get_backend("torch")` is the pure-torch reference every other backend is tested against;
+`cpu` runs float32 decodes in a C kernel built on first use (needs a C compiler).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from kernels.metadata import AttentionMetadata
 # NOTE: optional backends import heavy packages (triton, flash-attn); import them on demand only.
 BACKENDS = {
     "torch": "kernels.torch_backend",
+    "cpu": "kernels.cpu_backend",
     "triton": "kernels.triton_backend",
     "flash_attn": "kernels.flash_attn_backend",
 }
@@ -21,8 +23,9 @@ BACKENDS = {
 def get_backend(name: str = "torch", device_type: str = "cpu") -> ModuleType:
     """Return the backend module, which provides `write_kv` and `paged_attention`.
 
-    `auto` picks flash_attn, then triton, on CUDA (where their packages import) and torch
-    elsewhere. A named backend whose package is missing raises ValueError saying what is missing.
+    `auto` picks flash_attn, then triton, on CUDA (where their packages import), cpu on the CPU
+    (where its kernel builds), torch otherwise. A named backend that cannot load raises
+    ValueError saying what is missing.
     """
     if name == "auto":
         name = auto_backend(device_type)
@@ -35,14 +38,14 @@ def get_backend(name: str = "torch", device_type: str = "cpu") -> ModuleType:
 
 
 def auto_backend(device_type: str) -> str:
-    """flash_attn, then triton, where their packages import on CUDA; torch otherwise."""
-    if device_type != "cuda":
+    """flash_attn, then triton, on CUDA; cpu on the CPU; the first that imports, else torch."""
+    if device_type not in ("cuda", "cpu"):
         return "torch"
-    for name in ("flash_attn", "triton"):
+    for name in ("flash_attn", "triton") if device_type == "cuda" else ("cpu",):
         try:
             importlib.import_module(BACKENDS[name])
         except ImportError:
-            continue  # NOTE: optional package absent (or broken): try the next backend
+            continue  # NOTE: optional package or compiler absent (or broken): try the next
         return name
     return "torch"
 

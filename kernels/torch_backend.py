@@ -63,13 +63,18 @@ def paged_attention(
     scales = (k_scale, v_scale)
     nd = meta.num_decodes
     if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, scales)
+        out[:nd] = decode(q[:nd], k_cache, v_cache, meta, scale, scales)
+    prefills(q, k_cache, v_cache, meta, scale, scales, out)
+    return out
+
+
+def prefills(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, scales, out) -> None:
+    """The prefill chunks (every sequence after the decodes), one by one, into `out`."""
     start = meta.num_decodes  # decodes have one query token each
-    for i in range(nd, meta.num_seqs):
+    for i in range(meta.num_decodes, meta.num_seqs):
         end = start + meta.query_lens_cpu[i]
         out[start:end] = _prefill_one(q[start:end], k_cache, v_cache, meta, i, scale, scales)
         start = end
-    return out
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -87,7 +92,8 @@ def _upcast(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> 
     return (x.float() * scale.float().view(-1, 1)).to(dtype)
 
 
-def _decode(q, k_cache, v_cache, meta, scale, scales):
+def decode(q, k_cache, v_cache, meta, scale, scales):
+    """The first len(q) sequences, one query token each: [nd, heads, head_dim]."""
     nd, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // kv_heads

@@ -82,7 +82,7 @@ def assert_parity(ours: list[int], ref: tuple[list[int], list[torch.Tensor]], la
     "options",
     [
         pytest.param({}, id="default"),
-        pytest.param({"cpu_linear": "torch"}, id="linear-torch"),
+        pytest.param({"cpu_linear": "torch", "attention_backend": "torch"}, id="torch-reference"),
         pytest.param({"cpu_linear": "onednn"}, id="linear-onednn"),
         pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
         pytest.param({"max_num_batched_tokens": 48}, id="chunked-prefill"),

@@ -1,0 +1,27 @@
+"""Smoke runs of the kernel benchmarks: paged vs contiguous decode, and the CPU linear modes."""
+
+from __future__ import annotations
+
+import torch
+
+from bench import attention, cpu_linear
+
+
+def test_attention_bench_prints_every_case(capsys) -> None:
+    attention.main(["--iters", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[:2] for r in rows] == [["1", "512"], ["1", "4096"], ["8", "1024"], ["32", "512"],
+                                     ["64", "256"]]
+    assert all(float(r[-2]) > 0 for r in rows)  # torch/contig measured
+
+
+def test_cpu_linear_bench_times_all_modes(capsys) -> None:
+    threads = torch.get_num_threads()
+    try:
+        cpu_linear.main(["--rows", "1,4", "--iters", "1", "--num-threads", "1"])
+    finally:
+        torch.set_num_threads(threads)  # the flag sets it for the whole process
+    out = capsys.readouterr().out.splitlines()
+    assert "121 linear products per step" in out[0]
+    assert [line.split()[0] for line in out[2:]] == ["1", "4"]
+    assert all(len(line.split()) == 6 for line in out[2:])

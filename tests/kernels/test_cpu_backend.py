@@ -1,0 +1,109 @@
+"""The cpu backend (float32 decodes in C through the block table) against float64, with and
+without split-KV, and its build: cache, no process-wide flush-to-zero, fallback without a
+compiler."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_cases import (
+    TOLERANCES,
+    check_attention,
+    check_write_padding,
+    engine_greedy,
+    make_batch,
+    matrix,
+    reference,
+)
+
+from kernels import auto_backend, get_backend
+
+ROOT = Path(__file__).resolve().parents[2]
+cpu_backend = pytest.importorskip("kernels.cpu_backend", reason="no C compiler")
+
+
+@pytest.mark.parametrize("case", matrix("cpu"), ids=lambda c: "-".join(map(str, c.values())))
+def test_cpu_backend_matches_float64(case):
+    check_attention(**case)
+
+
+def test_cpu_write_kv_skips_padding():
+    check_write_padding("cpu")
+
+
+# (cached, new) decodes: one long sequence split across threads, and beside it a short one
+# whose later splits hold no blocks.
+@pytest.mark.parametrize("seqs", [[(2100, 1)], [(2100, 1), (3, 1)], [(600, 1), (1200, 1)]])
+@pytest.mark.parametrize("num_threads", [1, 2, 8])
+@pytest.mark.parametrize("group", [1, 4])
+def test_split_kv_decode_matches_float64(seqs, num_threads, group):
+    gen = torch.Generator().manual_seed(len(seqs) * 100 + num_threads * 10 + group)
+    b = make_batch(seqs, kv_heads=1, group=group, head_dim=64, dtype=torch.float32,
+                   kv_dtype=torch.float32, scales=None, page=16, device="cpu", gen=gen)
+    cpu_backend.write_kv(b.key, b.value, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    scale = 1 / math.sqrt(64)
+    out = torch.full_like(b.q, float("nan"))
+    assert cpu_backend.fits(b.q, b.k_cache, b.v_cache, out, None, None, b.meta)
+    cpu_backend.decode(b.q, b.k_cache, b.v_cache, b.meta, scale, out, num_threads=num_threads)
+    atol, rtol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(out.double(), reference(b, scale), atol=atol, rtol=rtol)
+
+
+def test_what_the_kernel_does_not_take_goes_to_torch():
+    gen = torch.Generator().manual_seed(0)
+    b = make_batch([(20, 1), (0, 5)], kv_heads=2, group=2, head_dim=16, dtype=torch.bfloat16,
+                   kv_dtype=torch.bfloat16, scales=None, page=16, device="cpu", gen=gen)
+    out = torch.empty_like(b.q)
+    assert not cpu_backend.fits(b.q, b.k_cache, b.v_cache, out, None, None, b.meta)
+    f32 = make_batch([(20, 1)], kv_heads=2, group=2, head_dim=16, dtype=torch.float32,
+                     kv_dtype=torch.float32, scales=None, page=128, device="cpu", gen=gen)
+    out = torch.empty_like(f32.q)
+    assert not cpu_backend.fits(f32.q, f32.k_cache, f32.v_cache, out, None, None, f32.meta)
+
+
+def test_loading_the_kernel_keeps_denormals():
+    """-ffast-math objects must not bring crtfastmath's process-wide flush-to-zero."""
+    code = ("import torch\n"
+            "import kernels.cpu_backend\n"
+            "x = torch.tensor([1e-40])\n"
+            "assert (x / 2).item() != 0.0, 'denormals flushed'\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_without_a_compiler_auto_is_torch(tmp_path):
+    code = ("import kernels\n"
+            "assert kernels.auto_backend('cpu') == 'torch'\n"
+            "try:\n"
+            "    kernels.get_backend('cpu')\n"
+            "except ValueError as e:\n"
+            "    assert 'C compiler' in str(e), e\n"
+            "else:\n"
+            "    raise AssertionError('no error')\n")
+    env = {**os.environ, "PATH": str(tmp_path), "CC": "no-such-cc",
+           "PAGEDSERVE_CACHE": str(tmp_path / "cache")}
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120, env=env)
+
+
+def test_the_build_is_cached_per_source_and_machine(tmp_path):
+    env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path)}
+    code = "import kernels.cpu_backend"
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120, env=env)
+    built = list((tmp_path / "kernels").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so", built
+
+
+def test_auto_is_cpu_here():
+    assert auto_backend("cpu") == "cpu"
+    assert get_backend("auto", "cpu") is cpu_backend
+
+
+def test_engine_greedy_equals_the_torch_backend(tiny_model_dir):
+    assert (engine_greedy(str(tiny_model_dir), "cpu", 16)
+            == engine_greedy(str(tiny_model_dir), "torch", 16))
