@@ -112,11 +112,14 @@ async def test_attached_engines_over_tcp_survive_one_dying(tiny_model_dir: Path)
         rng = random.Random(1)
         streams = [pool.submit(_add(f"long{i}", _prompt(rng, 20), max_tokens=200))
                    for i in range(4)]
-        await asyncio.sleep(0.5)
+        # NOTE: kill once every stream has its first token, not after a fixed sleep: a fast
+        # machine finishes 200 tokens of the tiny model in well under a second.
+        firsts = await asyncio.wait_for(asyncio.gather(*(anext(s) for s in streams)), 60)
         victim = pool.members[0].client.incarnation
         proc = next(p for p, inc in engines if inc == victim)
         proc.send_signal(signal.SIGKILL)
-        results = await asyncio.gather(*(_collect(s, 120.0) for s in streams))
+        rests = await asyncio.gather(*(_collect(s, 120.0) for s in streams))
+        results = [[first, *rest] for first, rest in zip(firsts, rests, strict=True)]
         reasons = sorted(r[-1].finish_reason or "" for r in results)
         assert reasons == ["error", "error", "length", "length"], reasons
         for i in range(3):  # the survivor takes all new work
