@@ -1,9 +1,9 @@
 """The bundled model's linear layers per decode step: torch vs oneDNN-prepacked vs dual.
 
 Runs every linear product of one forward pass (30 layers' qkv, o, gate_up, down, then the LM
-head) at several row counts, the three modes interleaved call by call so machine drift hits
-all alike, and prints the median milliseconds and the ratio to torch (`F.linear` on the
-checkpoint layout, the engine's reference).
+head) at several row counts, the three modes interleaved pass by pass in a rotating order so
+machine drift hits all alike, and prints the median milliseconds and the speedup over torch
+(`F.linear` on the checkpoint layout, the engine's reference).
 """
 
 from __future__ import annotations
@@ -46,8 +46,12 @@ def main(argv: list[str] | None = None) -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, max(w.shape[1] for w, _ in weights))
         times = {m: [] for m in modes}
+        names = list(modes)
         for i in range(args.iters + 1):
-            for mode, layers in modes.items():
+            # NOTE: the order rotates each round: a mode timed right after oneDNN's calls can
+            # pay for the thread pool's state they leave (seen at 2 threads)
+            for mode in names[i % 3:] + names[: i % 3]:
+                layers = modes[mode]
                 t0 = time.perf_counter()
                 for layer in layers:
                     layer(x[:, : layer.in_features])

@@ -92,7 +92,9 @@ class EngineConfig:
     )
     kv_cache_dtype: str = field(
         default="auto", metadata={"help": "KV cache storage; auto: the model dtype, fp8_e4m3: "
-                                          "8 bits, upcast on read", "choices": _KV_CACHE_DTYPES}
+                                          "8 bits, upcast on read, scaled by the checkpoint's "
+                                          "k/v scales (per tensor or per head) if it has them",
+                                  "choices": _KV_CACHE_DTYPES}
     )
     seed: int = field(default=0, metadata={"help": "seed for requests that set none"})
     max_logprobs: int = field(default=20, metadata={"help": "most top logprobs a request may ask"})

@@ -40,7 +40,7 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] <= DENSE_MAX_ROWS:
+        if self.dense is not None and x.numel() <= DENSE_MAX_ROWS * self.in_features:
             return F.linear(x, self.dense, self.bias)
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self.packed, self.bias, "none", [], "")

@@ -6,6 +6,7 @@ Names follow HF checkpoints, except that q/k/v and gate/up are fused into one ma
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 
 import torch
@@ -87,6 +88,10 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        # FP8 KV cache scales from the checkpoint, [] (per tensor) or [num_kv_heads] (per head),
+        # float32: the cache holds x / scale. None is scale 1. Used only with an FP8 cache.
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
         n = x.shape[0]
@@ -97,8 +102,11 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         meta = ctx.attn_metadata
-        ctx.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = ctx.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        fp8 = k_cache.element_size() == 1
+        scales = {"k_scale": self.k_scale if fp8 else None,
+                  "v_scale": self.v_scale if fp8 else None}
+        ctx.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
+        out = ctx.backend.paged_attention(q, k_cache, v_cache, meta, self.scale, **scales)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
@@ -124,6 +132,22 @@ class DecoderLayer(nn.Module):
     def forward(self, x, positions, rope):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# FP8 KV cache scales as quantized checkpoints name them (vLLM's conventions) -> k, v or both.
+_KV_SCALES = {
+    "self_attn.k_scale": "k", "self_attn.v_scale": "v", "self_attn.kv_scale": "kv",
+    "self_attn.k_proj.output_scale": "k", "self_attn.v_proj.output_scale": "v",
+}
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def kv_scale_name(name: str) -> tuple[int, str] | None:
+    """(layer, "k" | "v" | "kv") when `name` (without "model.") is a KV cache scale."""
+    m = _LAYER.fullmatch(name)
+    if m is None or m.group(2) not in _KV_SCALES:
+        return None
+    return int(m.group(1)), _KV_SCALES[m.group(2)]
 
 
 # HF checkpoint name -> (our fused parameter, shard index) for the fused projections.
@@ -173,6 +197,9 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
+            if (scale := kv_scale_name(name)) is not None:
+                self.set_kv_scale(*scale, tensor)
+                continue
             target, shard = self._target(name)
             if target not in params:
                 raise KeyError(f"unexpected weight {hf_name!r}")
@@ -182,6 +209,20 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
         return loaded
+
+    def set_kv_scale(self, layer: int, which: str, tensor: torch.Tensor) -> None:
+        """Attach a checkpoint's FP8 KV cache scale: one value, or one per (local) KV head."""
+        scale = tensor.detach().float().reshape(-1)
+        heads = self.cfg.num_kv_heads
+        if scale.numel() not in (1, heads) or not bool((scale > 0).all()):
+            raise ValueError(f"layer {layer} {which}_scale must be one positive value or "
+                             f"{heads} (one per KV head); got shape {tuple(tensor.shape)}")
+        scale = (scale[0] if scale.numel() == 1 else scale).to(self.embed_tokens.weight.device)
+        attn = self.layers[layer].self_attn
+        if "k" in which:
+            attn.k_scale = scale
+        if "v" in which:
+            attn.v_scale = scale
 
     @staticmethod
     def _target(name: str) -> tuple[str, int | None]:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM, kv_scale_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +136,9 @@ def load_shard(model: TensorParallelLlama, files: list[Path]) -> None:
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for hf_name in f.keys():
+                if (scale := kv_scale_name(hf_name.removeprefix("model."))) is not None:
+                    model.set_kv_scale(*scale, _local_scale(model.plan, f.get_tensor(hf_name)))
+                    continue
                 for target, rows, tensor in _shard(model, hf_name, f.get_slice(hf_name)):
                     with torch.no_grad():
                         params[target][rows[0] : rows[1]].copy_(tensor)
@@ -143,6 +146,12 @@ def load_shard(model: TensorParallelLlama, files: list[Path]) -> None:
     missing = set(params) - loaded
     if missing:
         raise KeyError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+
+
+def _local_scale(plan: ShardPlan, scale: torch.Tensor) -> torch.Tensor:
+    """A per-head KV scale keeps this rank's KV heads; a per-tensor one is shared."""
+    flat = scale.reshape(-1)
+    return flat if flat.numel() == 1 else flat[plan.kv_heads[0] : plan.kv_heads[1]]
 
 
 def _shard(model: TensorParallelLlama, hf_name: str, sl) -> Iterator[tuple[str, tuple, object]]:
