@@ -6,7 +6,6 @@ the pytest fixtures and the TypeScript test setup both start servers through it.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -33,13 +32,8 @@ def tiny_model_dir() -> Path:
     if (CACHE / "config.json").is_file():
         return CACHE
     sys.path.insert(0, str(ROOT))
-    # NOTE: by path, not `from conftest import`: inside pytest, `conftest` in sys.modules may
-    # be another directory's (tests/ops/conftest.py when that ran first).
-    spec = importlib.util.spec_from_file_location("tests_root_conftest",
-                                                  ROOT / "tests" / "conftest.py")
-    root_conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(root_conftest)
-    build_tiny_llama = root_conftest.build_tiny_llama
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_llama import build_tiny_llama
 
     from engine.tokenizer import tokenizer_dir
     from ipc.model_source import resolve_model

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_llama
 from safetensors.torch import load_file, save_file
+from tiny_llama import build_tiny_llama
 
 from engine import LLM, SamplingParams
 from engine.models.config import ModelConfig
