@@ -2,7 +2,8 @@
 
 The torch backend gathers each decode's blocks into a contiguous copy before its SDPA, which
 reads and writes the whole cache once more than attention itself needs. `cpu_decode.c` walks
-the blocks in place with an online softmax, one OpenMP task per (sequence, KV head). It is
+the blocks in place with an online softmax, one OpenMP task per (sequence, KV head), and
+splits long sequences across threads when those tasks are too few (split-KV). It is
 compiled here on first use with the system C compiler (`-O3 -march=native`) into
 `$PAGEDSERVE_CACHE/kernels/` and loaded with ctypes; it links the libgomp torch has already
 loaded, so both share one thread pool. Prefill chunks, other dtypes and the FP8 cache go to the
@@ -35,7 +36,7 @@ MAX_GROUP, MAX_BLOCK, MAX_ROWS = 64, 64, 4096  # the C kernel's stack arrays
 write_kv = torch_backend.write_kv
 
 
-def _cpu_model() -> str:
+def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -48,7 +49,7 @@ def _build() -> ctypes.CDLL:
     if cc is None:
         raise ImportError("the cpu attention backend needs a C compiler (cc or gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LINK, version, _cpu_model()])
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LINK, version, _cpu_flags()])
                          .encode()).hexdigest()[:16]
     root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
     lib = root / "kernels" / f"cpu_decode-{key}.so"

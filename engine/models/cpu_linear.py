@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 MODES = ("auto", "torch", "onednn", "dual")
-# NOTE: measured per decode step of the bundled model (1 and 2 threads): the packed product
-# loses 3-17% at 1-2 rows, ties at 3 and wins 25-35% from 4 rows up.
+# NOTE: bench/cpu_linear.py on the bundled model (1 and 2 threads): the prepacked product
+# alone is 0.85-0.97x the plain one at 1-3 rows and 1.1-1.8x from 4 rows up.
 DENSE_MAX_ROWS = 3
 
 
