@@ -151,7 +151,7 @@ class EngineCore:
 
     def _pack(self, model: torch.nn.Module) -> str:
         if self.config.tensor_parallel_size > 1:
-            return "torch"  # NOTE: the ranks hold the weights; the driver's model is a shell
+            return "torch"  # NOTE: the ranks hold the weights (EngineConfig refuses others)
         mode = resolve_mode(self.config.cpu_linear, model, self.device, self.dtype)
         pack_linears(model, mode)
         return mode

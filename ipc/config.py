@@ -133,6 +133,9 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}")
         if self.cpu_linear not in _CPU_LINEARS:
             raise ValueError(f"cpu_linear must be one of {_CPU_LINEARS}")
+        if self.tensor_parallel_size > 1 and self.cpu_linear in ("onednn", "dual"):
+            raise ValueError(f"cpu_linear {self.cpu_linear} does not run with tensor "
+                             "parallelism (its ranks use torch's products): use auto or torch")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:

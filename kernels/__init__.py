@@ -31,6 +31,8 @@ def get_backend(name: str = "torch", device_type: str = "cpu") -> ModuleType:
         name = auto_backend(device_type)
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not available here; have {list(BACKENDS)}")
+    if name == "cpu" and device_type != "cpu":
+        raise ValueError(f"attention backend 'cpu' runs on the CPU only, not on {device_type}")
     try:
         return importlib.import_module(BACKENDS[name])
     except ImportError as e:

@@ -74,16 +74,21 @@ def pack_linears(model: nn.Module, mode: str) -> None:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:  # NOTE: not subclasses (tensor-parallel layers)
                 setattr(parent, name, PackedLinear(child.weight, child.bias, keep_dense))
-    embed = getattr(model, "embed_tokens", None)
-    if getattr(model, "lm_head", False) is None and type(embed) is nn.Embedding:
+    if (embed := _tied_embedding(model)) is not None:
         # NOTE: a tied head keeps the embedding as its dense copy at no cost: always dual.
         model.lm_head = PackedLinear(embed.weight, None, keep_dense=True)
 
 
-def _linears(model: nn.Module) -> list[nn.Linear]:
-    found = [m for m in model.modules() if type(m) is nn.Linear]
+def _tied_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The embedding that doubles as the LM head (lm_head None), if the model has one."""
     embed = getattr(model, "embed_tokens", None)
-    if getattr(model, "lm_head", False) is None and type(embed) is nn.Embedding:
+    tied = getattr(model, "lm_head", False) is None and type(embed) is nn.Embedding
+    return embed if tied else None
+
+
+def _linears(model: nn.Module) -> list[nn.Module]:
+    found = [m for m in model.modules() if type(m) is nn.Linear]
+    if (embed := _tied_embedding(model)) is not None:
         found.append(embed)  # the tied head's packed copy
     return found
 

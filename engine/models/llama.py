@@ -212,6 +212,9 @@ class LlamaForCausalLM(nn.Module):
 
     def set_kv_scale(self, layer: int, which: str, tensor: torch.Tensor) -> None:
         """Attach a checkpoint's FP8 KV cache scale: one value, or one per (local) KV head."""
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"a KV cache scale for layer {layer}, but the model has "
+                             f"{len(self.layers)} layers")
         scale = tensor.detach().float().reshape(-1)
         heads = self.cfg.num_kv_heads
         if scale.numel() not in (1, heads) or not bool((scale > 0).all()):

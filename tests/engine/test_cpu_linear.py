@@ -91,6 +91,9 @@ def test_auto_mode_and_refusals(monkeypatch):
         resolve_mode("dual", model, cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="cpu_linear"):
         EngineConfig(cpu_linear="mkl")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(cpu_linear="dual", tensor_parallel_size=2)
+    assert EngineConfig(tensor_parallel_size=2).cpu_linear == "auto"
 
 
 def test_engine_greedy_output_is_the_same_in_every_mode(tiny_model_dir):

@@ -73,6 +73,8 @@ def test_bad_scales_are_refused():
         model.set_kv_scale(0, "k", torch.ones(3))
     with pytest.raises(ValueError, match="positive"):
         model.set_kv_scale(0, "v", torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match="has 1 layers"):
+        model.set_kv_scale(1, "k", torch.tensor(2.0))
     model.set_kv_scale(0, "kv", torch.tensor([2.0]))
     attn = model.layers[0].self_attn
     assert attn.k_scale.shape == () and float(attn.v_scale) == 2.0

@@ -102,6 +102,8 @@ def test_the_build_is_cached_per_source_and_machine(tmp_path):
 def test_auto_is_cpu_here():
     assert auto_backend("cpu") == "cpu"
     assert get_backend("auto", "cpu") is cpu_backend
+    with pytest.raises(ValueError, match="CPU only"):
+        get_backend("cpu", "cuda")
 
 
 def test_engine_greedy_equals_the_torch_backend(tiny_model_dir):
