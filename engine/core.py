@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
+from engine.allocator import tune_malloc
 from engine.kv_manager import KVCacheManager
 from engine.models.cpu_linear import pack_linears, resolve_mode
 from engine.models.loader import load_model
@@ -34,6 +35,8 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = _device(config.device)
+        if self.device.type == "cpu":
+            tune_malloc()
         self.dtype = _dtype(config.dtype, self.device)
         self.kv_dtype = _KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         source = resolve_model(config.model, config.served_model_name)

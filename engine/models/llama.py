@@ -59,21 +59,34 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables for every position, indexed by the batch's positions."""
+    """cos/sin tables for every position; `lookup` takes one batch's rows for every layer."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device) -> None:
         inv_freq = rope_inv_freq(cfg).to(device)
         freqs = torch.outer(torch.arange(max_positions, device=device).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos, sin = emb.cos(), emb.sin()
+        # NOTE: HF's rotate_half(x) * sin is cat(-x2, x1) * sin; with the sign moved into the
+        # table it is cat(x2, x1) * cat(-sin1, sin2): the same products, one op fewer.
+        half = sin.shape[-1] // 2
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        return RopeTables(self.cos[positions].unsqueeze(1).to(dtype),
+                          self.sin[positions].unsqueeze(1).to(dtype))
+
+
+class RopeTables:
+    """One batch's cos and signed sin, [num_tokens, 1, head_dim] each."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, heads, head_dim]; rotate-half layout as in HF Llama
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return x * self.cos + swapped * self.sin
 
 
 class Attention(nn.Module):
@@ -93,12 +106,13 @@ class Attention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding):
+    def forward(self, x: torch.Tensor, rope: RopeTables):
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope(positions, q.view(n, self.num_heads, self.head_dim))
-        k = rope(positions, k.view(n, self.num_kv_heads, self.head_dim))
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # NOTE: q and k rotate in one call; q and k are then views of its output
+        q, k = rope(qkv[:, : self.num_heads + self.num_kv_heads]).split(
+            [self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         meta = ctx.attn_metadata
@@ -129,8 +143,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope)
+    def forward(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -180,8 +194,9 @@ class LlamaForCausalLM(nn.Module):
         """
         assert self.rope is not None, "call init_rope() first"
         x = self.embed_tokens(input_ids)
+        rope = self.rope.lookup(positions, x.dtype)
         for layer in self.layers[:num_layers]:
-            x = layer(x, positions, self.rope)
+            x = layer(x, rope)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

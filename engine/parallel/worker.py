@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.allocator import tune_malloc
 from engine.forward_context import ForwardContext, forward_context
 from engine.models.config import ModelConfig
 from engine.parallel import wire
@@ -60,6 +61,8 @@ def worker_main(args: WorkerArgs) -> None:
     if device.type == "cuda":
         device = torch.device("cuda", args.rank)
         torch.cuda.set_device(device)
+    else:
+        tune_malloc()
     init_distributed(args.rank, args.size, args.init_method, device)
     model = build_shard(args.cfg, args.rank, args.size, args.files, args.dtype, device)
     ring = ShmRing(args.size - 1, name=args.ring_name)
