@@ -2,8 +2,9 @@
 
 The torch backend gathers each decode's blocks into a contiguous copy before its SDPA, which
 reads and writes the whole cache once more than attention itself needs. `cpu_decode.c` walks
-the blocks in place with an online softmax, one OpenMP task per (sequence, KV head), and
-splits long sequences across threads when those tasks are too few (split-KV). It is
+the blocks in place with an online softmax, one OpenMP task per sequence (16 tokens' scores
+per vector for head dims of 64 and 128), and splits long sequences across threads when those
+tasks are too few (split-KV). It is
 compiled here on first use with the system C compiler (`-O3 -march=native`) into
 `$PAGEDSERVE_CACHE/kernels/` and loaded with ctypes; it links the libgomp torch has already
 loaded, so both share one thread pool. Prefill chunks, other dtypes and the FP8 cache go to the
@@ -118,8 +119,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            num_threads: int | None = None) -> None:
     """Decodes (one query token per sequence, the first len(q) sequences) into `out`.
 
-    Each sequence's blocks are split across threads when sequences x KV heads give fewer than
-    two tasks per thread and the sequence has 64+ blocks.
+    Each sequence's blocks are split across threads when the sequences give fewer than two
+    tasks per thread and the sequence has 64+ blocks.
     """
     nd, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]

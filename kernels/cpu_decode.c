@@ -1,9 +1,9 @@
 /* Paged decode attention for the CPU, float32: reads K/V straight through the block table.
  *
- * One task per (sequence, KV head, split): the task's GQA group of query rows walks its share
- * of the sequence's blocks with an online softmax (running max, running sum, rescaled
- * accumulator), so no K/V is gathered or copied. When sequences x KV heads are too few to
- * give every thread two tasks, each sequence's blocks are split and the partial results merged
+ * One task per (sequence, split) walks the split's blocks once per KV head, each head's GQA
+ * group of query rows with an online softmax (running max, running sum, rescaled
+ * accumulator), so no K/V is gathered or copied. When sequences are too few to give every
+ * thread two tasks, each sequence's blocks are split and the partial results merged
  * (split-KV). Built and loaded at run time by kernels/cpu_backend.py.
  */
 #include <math.h>
@@ -88,6 +88,119 @@ static void attend(const Shape *c, int h, const float *qs, int first, int last,
     }
 }
 
+/* The vectorized attend for the common shapes: head_dim a multiple of 16 floats, G query rows
+ * per KV head. Scores of 16 tokens at a time fill one 16-lane vector (16 per-token product
+ * vectors folded by a transposing reduction: no horizontal sum per token), and the group's
+ * accumulators stay in registers. G and HD are constants at each call site below. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4))); /* unaligned loads */
+
+#define LOAD(ptr) (*(const v16u *)(ptr))
+#define FOLD(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
+
+/* lane i of the result = the sum of x[i]'s 16 lanes */
+static inline v16 hsum16(const v16 *x)
+{
+    v16 c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = FOLD(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + FOLD(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        d[i] = FOLD(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + FOLD(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        e[i] = FOLD(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + FOLD(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return FOLD(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + FOLD(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+static inline __attribute__((always_inline)) void
+attend16(const Shape *c, int h, const float *qs, int first, int last, float *acc_out,
+         float *m, float *l, const int G, const int HD)
+{
+    const int block_size = c->block_size, kv_heads = c->kv_heads;
+    const int64_t tok_stride = c->tok_stride;
+    v16 acc[G][HD / 16], q[G][HD / 16];
+    for (int g = 0; g < G; g++) {
+        m[g] = -1e30f; /* not -inf: finite math below */
+        l[g] = 0.0f;
+        for (int j = 0; j < HD / 16; j++) {
+            acc[g][j] = (v16){0};
+            q[g][j] = LOAD(qs + g * HD + 16 * j);
+        }
+    }
+    for (int start = first; start < last; start += block_size) {
+        const int n = last - start < block_size ? last - start : block_size;
+        const int64_t base = (c->table[start / block_size] * block_size * kv_heads + h) * HD;
+        if (h == 0 && start + block_size < last) {
+            /* the next block, every head (the later heads' passes find it in L2) */
+            const int64_t next = c->table[start / block_size + 1] * block_size * tok_stride;
+            for (int64_t i = 0; i < block_size * tok_stride; i += 16) {
+                __builtin_prefetch(c->k_cache + next + i);
+                __builtin_prefetch(c->v_cache + next + i);
+            }
+        }
+        for (int t0 = 0; t0 < n; t0 += 16) {
+            const int nt = n - t0 < 16 ? n - t0 : 16;
+            const float *kb = c->k_cache + base + t0 * tok_stride;
+            const float *vb = c->v_cache + base + t0 * tok_stride;
+            float p[G][16];
+            for (int g = 0; g < G; g++) {
+                v16 part[16];
+                for (int t = 0; t < 16; t++) {
+                    v16 s = {0};
+                    if (t < nt)
+                        for (int j = 0; j < HD / 16; j++)
+                            s += q[g][j] * LOAD(kb + t * tok_stride + 16 * j);
+                    part[t] = s;
+                }
+                v16 sc = hsum16(part);
+                float mx = m[g];
+                for (int t = 0; t < nt; t++)
+                    mx = sc[t] > mx ? sc[t] : mx;
+                const float corr = expf(m[g] - mx); /* 0 on the first chunk */
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int t = 0; t < 16; t++) {
+                    p[g][t] = t < nt ? expf(sc[t] - mx) : 0.0f;
+                    sum += p[g][t];
+                }
+                m[g] = mx;
+                l[g] = l[g] * corr + sum;
+                for (int j = 0; j < HD / 16; j++)
+                    acc[g][j] *= corr;
+            }
+            for (int t = 0; t < nt; t++)
+                for (int j = 0; j < HD / 16; j++) {
+                    const v16 v = LOAD(vb + t * tok_stride + 16 * j);
+                    for (int g = 0; g < G; g++)
+                        acc[g][j] += p[g][t] * v;
+                }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < HD / 16; j++)
+            for (int i = 0; i < 16; i++)
+                acc_out[g * HD + 16 * j + i] = acc[g][j][i];
+}
+
+/* attend16 where the shape has an instance, else the scalar attend */
+static void attend_any(const Shape *c, int h, const float *qs, int first, int last, float *acc,
+                       float *m, float *l)
+{
+#define CASE(G, HD)                                                    \
+    if (c->group == G && c->head_dim == HD) {                          \
+        attend16(c, h, qs, first, last, acc, m, l, G, HD);             \
+        return;                                                        \
+    }
+    CASE(1, 64) CASE(2, 64) CASE(3, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) CASE(8, 64)
+    CASE(1, 128) CASE(2, 128) CASE(3, 128) CASE(4, 128) CASE(5, 128) CASE(6, 128) CASE(7, 128)
+    CASE(8, 128)
+#undef CASE
+    attend(c, h, qs, first, last, acc, m, l);
+}
+
 void paged_decode_f32(
     const float *q, int64_t q_stride,      /* [num_seqs, heads, head_dim]; token stride */
     const float *k_cache, const float *v_cache, /* [blocks, block_size, kv_heads, head_dim] */
@@ -104,7 +217,7 @@ void paged_decode_f32(
         const int nb = (seq_lens[s] + block_size - 1) / block_size;
         max_blocks = nb > max_blocks ? nb : max_blocks;
     }
-    int splits = (2 * num_threads + num_seqs * kv_heads - 1) / (num_seqs * kv_heads);
+    int splits = (2 * num_threads + num_seqs - 1) / num_seqs;
     /* NOTE: a split must be worth its merge and second parallel region: 32+ blocks each */
     splits = splits < max_blocks / MIN_SPLIT_BLOCKS ? splits : max_blocks / MIN_SPLIT_BLOCKS;
     splits = splits > 1 ? splits : 1;
@@ -114,10 +227,13 @@ void paged_decode_f32(
     float *parts = splits > 1 ? malloc(sizeof(float) * num_seqs * kv_heads * splits * part) : 0;
     if (splits > 1 && !parts)
         splits = 1;
-#pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(num_threads)
+    /* NOTE: one task walks all KV heads of its blocks, head after head: the first head's
+     * pass brings the blocks into L2 for the others (a task per head read each block's
+     * interleaved heads from DRAM in several places at once, at half the bandwidth). */
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int s = 0; s < num_seqs; s++) {
-        for (int h = 0; h < kv_heads; h++) {
-            for (int j = 0; j < splits; j++) {
+        for (int j = 0; j < splits; j++) {
+            for (int h = 0; h < kv_heads; h++) {
                 const int len = seq_lens[s];
                 const int nb = (len + block_size - 1) / block_size;
                 const int per = (nb + splits - 1) / splits;
@@ -132,7 +248,7 @@ void paged_decode_f32(
                     qs[i] = qh[i] * scale;
                 float *oh = out + s * out_stride + (int64_t)h * rows;
                 if (splits == 1) {
-                    attend(&c, h, qs, 0, len, acc, m, l);
+                    attend_any(&c, h, qs, 0, len, acc, m, l);
                     for (int g = 0; g < group; g++)
                         for (int d = 0; d < head_dim; d++)
                             oh[g * head_dim + d] = acc[g * head_dim + d] / l[g];
@@ -148,7 +264,7 @@ void paged_decode_f32(
                         pp[i] = 0.0f;
                     continue;
                 }
-                attend(&c, h, qs, first, last, pp, pp + rows, pp + rows + group);
+                attend_any(&c, h, qs, first, last, pp, pp + rows, pp + rows + group);
             }
         }
     }

@@ -33,6 +33,15 @@ def test_cpu_backend_matches_float64(case):
     check_attention(**case)
 
 
+# The vectorized path (head_dim 64 or 128, groups 1-8; 16-token chunks, so blocks of 8 leave
+# lanes empty and blocks of 32 and 64 hold several chunks) and the scalar one beside it.
+@pytest.mark.parametrize(("head_dim", "group", "page"), [
+    (64, 1, 16), (64, 3, 16), (64, 8, 16), (128, 3, 16), (128, 8, 16),
+    (64, 3, 8), (64, 3, 32), (64, 2, 64), (64, 12, 16), (96, 3, 16)])
+def test_decode_shapes_match_float64(head_dim, group, page):
+    check_attention("cpu", "long", group=group, head_dim=head_dim, page=page)
+
+
 def test_cpu_write_kv_skips_padding():
     check_write_padding("cpu")
 
