@@ -1,4 +1,5 @@
-"""oneDNN-prepacked linear layers against the float64 product and the torch reference model."""
+"""Prepacked linear layers (oneDNN, MKL) against the float64 product and the torch reference
+model."""
 
 from __future__ import annotations
 
@@ -9,46 +10,73 @@ from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.models import cpu_linear
-from engine.models.cpu_linear import DENSE_MAX_ROWS, PackedLinear, pack_linears, resolve_mode
+from engine.models.cpu_linear import (
+    DENSE_MAX_ROWS,
+    SMALL_MAX_ROWS,
+    PackedLinear,
+    mkl_packed_available,
+    pack_linears,
+    resolve_mode,
+)
 from ipc.config import EngineConfig
 
 pytestmark = pytest.mark.skipif(not cpu_linear.onednn_available(), reason="torch without oneDNN")
 
 
-@pytest.mark.parametrize("keep_dense", [False, True], ids=["onednn", "dual"])
+SMALLS = [None, "dense", pytest.param("mkl", marks=pytest.mark.skipif(
+    not mkl_packed_available(), reason="torch without MKL's packed GEMM"))]
+
+
+@pytest.mark.parametrize("small", SMALLS, ids=["onednn", "dense", "mkl"])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [0, 1, 2, DENSE_MAX_ROWS, DENSE_MAX_ROWS + 1, 17, 300])
-def test_packed_linear_matches_the_float64_product(rows, bias, keep_dense):
+@pytest.mark.parametrize("rows", [0, 1, 2, DENSE_MAX_ROWS, DENSE_MAX_ROWS + 1, 17,
+                                  SMALL_MAX_ROWS, SMALL_MAX_ROWS + 1, 300])
+def test_packed_linear_matches_the_float64_product(rows, bias, small):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(200, 96, generator=gen)
     b = torch.randn(200, generator=gen) if bias else None
     x = torch.randn(rows, 96, generator=gen)
-    layer = PackedLinear(w, b, keep_dense)
+    layer = PackedLinear(w, b, small)
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     got = layer(x)
     assert got.shape == (rows, 200) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
-def test_strided_and_3d_inputs():
+@pytest.mark.parametrize("small", SMALLS, ids=["onednn", "dense", "mkl"])
+def test_strided_and_3d_inputs(small):
     w = torch.randn(64, 32)
-    layer = PackedLinear(w, None, keep_dense=False)
+    layer = PackedLinear(w, None, small)
     x = torch.randn(6, 64)[:, ::2]  # not contiguous
     torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
     x3 = torch.randn(2, 5, 32)
     torch.testing.assert_close(layer(x3), F.linear(x3, w), rtol=1e-5, atol=1e-5)
 
 
-def test_dual_takes_the_dense_product_for_few_rows(monkeypatch):
-    layer = PackedLinear(torch.randn(8, 4), None, keep_dense=True)
+def _count_calls(monkeypatch, namespace, name: str) -> list[int]:
     calls = []
-    real = torch.ops.mkldnn._linear_pointwise
+    real = getattr(namespace, name)
+    monkeypatch.setattr(namespace, name, lambda *a: calls.append(a[0].shape[0]) or real(*a),
+                        raising=False)
+    return calls
 
-    monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise",
-                        lambda *a: calls.append(a[0].shape[0]) or real(*a), raising=False)
+
+def test_dense_small_takes_the_dense_product_for_few_rows(monkeypatch):
+    layer = PackedLinear(torch.randn(8, 4), None, small="dense")
+    calls = _count_calls(monkeypatch, cpu_linear.torch.ops.mkldnn, "_linear_pointwise")
     for rows in range(1, DENSE_MAX_ROWS + 3):
         layer(torch.randn(rows, 4))
     assert calls == [DENSE_MAX_ROWS + 1, DENSE_MAX_ROWS + 2]
+
+
+@pytest.mark.skipif(not mkl_packed_available(), reason="torch without MKL's packed GEMM")
+def test_mkl_small_takes_the_mkl_product_up_to_its_rows(monkeypatch):
+    layer = PackedLinear(torch.randn(8, 4), None, small="mkl")
+    mkl = _count_calls(monkeypatch, cpu_linear.torch.ops.mkl, "_mkl_linear")
+    onednn = _count_calls(monkeypatch, cpu_linear.torch.ops.mkldnn, "_linear_pointwise")
+    for rows in (1, 2, 4, SMALL_MAX_ROWS, SMALL_MAX_ROWS + 1):
+        layer(torch.randn(rows, 4))
+    assert mkl == [1, 2, 4, SMALL_MAX_ROWS] and onednn == [SMALL_MAX_ROWS + 1]
 
 
 class _Tiny(nn.Module):
@@ -67,11 +95,12 @@ def test_pack_linears_replaces_every_plain_linear(mode, tied):
     pack_linears(model, mode)
     layers = [model.block[0], model.block[2], model.lm_head]
     assert all(isinstance(m, PackedLinear) for m in layers)
-    assert (model.block[0].dense is not None) == (mode == "dual")
-    # a tied head keeps the embedding as its dense copy (it costs nothing)
-    dense, embed = model.lm_head.dense, model.embed_tokens.weight
-    shared = dense is not None and dense.data_ptr() == embed.data_ptr()
-    assert shared == tied
+    dual_small = "mkl" if mkl_packed_available() else "dense"
+    assert model.block[0].small == (dual_small if mode == "dual" else None)
+    if tied:  # the head's dense copy, where it has one, is the embedding itself (no cost)
+        assert model.lm_head.small == (dual_small if mode == "dual" else "dense")
+        dense = model.lm_head.dense
+        assert dense is None or dense.data_ptr() == model.embed_tokens.weight.data_ptr()
     x = torch.randn(5, 16)
     torch.testing.assert_close(model.block[2](model.block[1](model.block[0](x))),
                                F.linear(F.silu(F.linear(x, ref[0], model.block[0].bias)), ref[1]),
