@@ -27,7 +27,8 @@ def test_offline_smoke(tiny_model_dir: Path, capsys, distribution: str) -> None:
         assert r["peak_rss_bytes"] > 0 and r["ratio_to_baseline"] > 0
         assert r["dollars_per_million_output_tokens"] == pytest.approx(
             2.0 / 3600 / r["output_tok_per_s"] * 1e6)
-    assert 0 < engine["floor"]["fraction_of_floor"]
+    floor = engine["floor"]
+    assert 0 < floor["fraction_of_floor"] < floor["fraction_of_floor_all_tokens"]
 
 
 def test_offline_breakdown_without_baseline(tiny_model_dir: Path, capsys) -> None:
