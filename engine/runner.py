@@ -214,8 +214,13 @@ def _caches(cfg, num_blocks: int, block_size: int, num_cpu_blocks: int, dtype: t
     """Per-layer (K, V) pools on the device and, for swapping, in host memory."""
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     # NOTE: zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN.
+    # On the CPU, zero_() writes every page now: calloc leaves them unmapped, and the first
+    # steps would otherwise pay the page faults (the pool is the KV budget, held from start).
     gpu = [(torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+    if device.type == "cpu":
+        for k, v in gpu:
+            k.zero_(), v.zero_()
     # The swap pool: host memory (pinned on a GPU machine so copies can overlap).
     # NOTE: empty, not zeros: a CPU block is only read after a swap-out wrote it, and
     # untouched pages of an empty tensor cost no memory.

@@ -7,8 +7,9 @@ per vector for head dims of 64 and 128), and splits long sequences across thread
 tasks are too few (split-KV). It is
 compiled here on first use with the system C compiler (`-O3 -march=native`) into
 `$PAGEDSERVE_CACHE/kernels/` and loaded with ctypes; it links the libgomp torch has already
-loaded, so both share one thread pool. Prefill chunks, other dtypes and the FP8 cache go to the
-torch backend. Without a C compiler the backend is unavailable and `auto` stays on torch.
+loaded, so both share one thread pool. KV writes of float32 rows are one C call too. Prefill
+chunks, other dtypes and the FP8 cache go to the torch backend. Without a C compiler the
+backend is unavailable and `auto` stays on torch.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 LINK = ["-shared", "-fopenmp"]
 MAX_GROUP, MAX_BLOCK, MAX_ROWS = 64, 64, 4096  # the C kernel's stack arrays
 
-write_kv = torch_backend.write_kv
 
 
 def _cpu_flags() -> str:
@@ -64,18 +64,46 @@ def _build() -> ctypes.CDLL:
                 if done.returncode:
                     raise ImportError(f"building {SOURCE.name} failed: {done.stderr.strip()[:500]}")
             os.replace(built, lib)  # NOTE: atomic: concurrent builders all end with one file
-    fn = ctypes.CDLL(str(lib)).paged_decode_f32
+    so = ctypes.CDLL(str(lib))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
-                   i32, i32, i32, i32, i32, ctypes.c_float, i32]
-    fn.restype = None
-    return fn
+    so.paged_decode_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
+                                    i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    so.write_kv_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64]
+    so.paged_decode_f32.restype, so.write_kv_f32.restype = None, i64
+    return so.paged_decode_f32, so.write_kv_f32
 
 
 try:  # NOTE: at import: any failure is an ImportError, as for a missing triton
-    _decode_f32 = _build()
+    _decode_f32, _write_kv_f32 = _build()
 except (OSError, subprocess.SubprocessError) as e:  # an unwritable cache, a bad library
     raise ImportError(f"the cpu attention backend cannot be built here: {e}") from e
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding (skipped)
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Same contract as the torch backend's; float32 rows are copied in one C call."""
+    if (k_scale is None and v_scale is None
+            and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and key.stride()[1:] == value.stride()[1:] == (key.shape[2], 1)
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+        width = key.shape[1] * key.shape[2]
+        bad = _write_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.numel() // width,
+                            slot_mapping.data_ptr(), key.shape[0], width)
+        if bad:
+            raise IndexError(f"{bad} KV cache slots out of range")
+        return
+    torch_backend.write_kv(key, value, k_cache, v_cache, slot_mapping,
+                           k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention(

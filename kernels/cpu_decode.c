@@ -295,3 +295,27 @@ void paged_decode_f32(
     }
     free(parts);
 }
+
+/* The new tokens' K and V rows into their cache slots (slot -1: padding, skipped). key, value:
+ * [num_tokens, width] rows `*_stride` floats apart; caches: num_slots slots of width floats.
+ * Returns the number of slots out of range (not written). */
+int64_t write_kv_f32(const float *key, int64_t key_stride, const float *value,
+                     int64_t value_stride, float *k_cache, float *v_cache, int64_t num_slots,
+                     const int64_t *slots, int64_t num_tokens, int64_t width)
+{
+    int64_t bad = 0;
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0)
+            continue;
+        if (slot >= num_slots) {
+            bad++;
+            continue;
+        }
+        for (int64_t j = 0; j < width; j++) {
+            k_cache[slot * width + j] = key[i * key_stride + j];
+            v_cache[slot * width + j] = value[i * value_stride + j];
+        }
+    }
+    return bad;
+}

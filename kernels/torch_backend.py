@@ -118,16 +118,15 @@ def _prefill_one(q, k_cache, v_cache, meta, i, scale, scales):
     tables = meta.block_tables[i : i + 1, :nb]
     k = _upcast(_gather(k_cache, tables)[0, :seq_len], q.dtype, scales[0])  # [L, kvh, d]
     v = _upcast(_gather(v_cache, tables)[0, :seq_len], q.dtype, scales[1])
-    if group > 1:  # NOTE: a prefill is compute-bound: one copy of K/V per query head is cheap
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, len, d]
+    gqa = {"enable_gqa": True} if group > 1 else {}  # NOTE: SDPA maps query head h to h // group
     if q_len == seq_len:
         # NOTE: no cached prefix: top-left and bottom-right causal agree, and is_causal lets
         # the flash kernel skip the masked half.
-        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, **gqa)
     else:
         # bottom-right causal: query j (of q_len) sits at position seq_len - q_len + j
         mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
         mask = mask.tril(seq_len - q_len)
-        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale, **gqa)
     return out[0].transpose(0, 1)  # [q_len, num_heads, d]

@@ -46,6 +46,22 @@ def test_cpu_write_kv_skips_padding():
     check_write_padding("cpu")
 
 
+def test_cpu_write_kv_of_strided_rows_equals_the_torch_backend():
+    """K and V as the model passes them: views into the fused qkv rows."""
+    from kernels import torch_backend
+
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(9, 5, 16, generator=gen)  # [tokens, 3 q + 1 k + 1 v heads, head_dim]
+    key, value = qkv[:, 3:4], qkv[:, 4:5]
+    slots = torch.tensor([0, 17, -1, 3, 31, 8, -1, 9, 2])
+    caches = [torch.zeros(2, 16, 1, 16) for _ in range(4)]
+    cpu_backend.write_kv(key, value, caches[0], caches[1], slots)
+    torch_backend.write_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(IndexError, match="out of range"):
+        cpu_backend.write_kv(key, value, caches[0], caches[1], slots + 32)
+
+
 # (cached, new) decodes: one long sequence split across threads, and beside it a short one
 # whose later splits hold no blocks.
 @pytest.mark.parametrize("seqs", [[(2100, 1)], [(2100, 1), (3, 1)], [(600, 1), (1200, 1)]])
