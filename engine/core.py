@@ -65,11 +65,16 @@ class EngineCore:
             preemption,
         )
         sampler = Sampler(self.eos_token_ids, config.seed, self.device)
+        backend = get_backend(config.attention_backend, self.device.type)
+        draft_model = self._draft_model(config)
+        if getattr(backend, "FUSED_CPU_OPS", False) and config.tensor_parallel_size == 1:
+            for m in (model, draft_model):
+                if m is not None:
+                    m.set_fused_cpu_ops(True)
         self.runner = ModelRunner(
             model, self.num_gpu_blocks, self.block_size, self.max_model_len, sampler,
-            get_backend(config.attention_backend, self.device.type), self.device, self.kv_dtype,
-            self.num_cpu_blocks, draft_layers=config.speculative_draft_layers,
-            draft_model=self._draft_model(config),
+            backend, self.device, self.kv_dtype, self.num_cpu_blocks,
+            draft_layers=config.speculative_draft_layers, draft_model=draft_model,
         )
         if config.tensor_parallel_size > 1:
             model.start_workers(self.num_gpu_blocks, self.block_size, self.max_model_len,

@@ -4,79 +4,37 @@ The torch backend gathers each decode's blocks into a contiguous copy before its
 reads and writes the whole cache once more than attention itself needs. `cpu_decode.c` walks
 the blocks in place with an online softmax, one OpenMP task per sequence (16 tokens' scores
 per vector for head dims of 64 and 128), and splits long sequences across threads when those
-tasks are too few (split-KV). It is
-compiled here on first use with the system C compiler (`-O3 -march=native`) into
-`$PAGEDSERVE_CACHE/kernels/` and loaded with ctypes; it links the libgomp torch has already
-loaded, so both share one thread pool. KV writes of float32 rows are one C call too. Prefill
-chunks, other dtypes and the FP8 cache go to the torch backend. Without a C compiler the
-backend is unavailable and `auto` stays on torch.
+tasks are too few (split-KV). `kernels/cc_build.py` compiles it on first use; it links the
+libgomp torch has already loaded, so both share one thread pool. KV writes of float32 rows are
+one C call too. Prefill chunks, other dtypes and the FP8 cache go to the torch backend.
+Without a C compiler the backend is unavailable and `auto` stays on torch.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from kernels import torch_backend
+from kernels import cc_build, torch_backend
 from kernels.metadata import AttentionMetadata
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
-# NOTE: linked in a second step without -ffast-math: gcc < 13 links crtfastmath.o into a
-# -ffast-math shared library, which turns on flush-to-zero for the whole process when loaded.
-LINK = ["-shared", "-fopenmp"]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
 MAX_GROUP, MAX_BLOCK, MAX_ROWS = 64, 64, 4096  # the C kernel's stack arrays
 
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _build() -> ctypes.CDLL:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        raise ImportError("the cpu attention backend needs a C compiler (cc or gcc)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LINK, version, _cpu_flags()])
-                         .encode()).hexdigest()[:16]
-    root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
-    lib = root / "kernels" / f"cpu_decode-{key}.so"
-    if not lib.is_file():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-            obj, built = Path(tmp) / "cpu_decode.o", Path(tmp) / lib.name
-            for cmd in ([cc, *FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                        [cc, *LINK, str(obj), "-o", str(built), "-lm"]):
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode:
-                    raise ImportError(f"building {SOURCE.name} failed: {done.stderr.strip()[:500]}")
-            os.replace(built, lib)  # NOTE: atomic: concurrent builders all end with one file
-    so = ctypes.CDLL(str(lib))
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    so.paged_decode_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64,
-                                    i32, i32, i32, i32, i32, ctypes.c_float, i32]
-    so.write_kv_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64]
-    so.paged_decode_f32.restype, so.write_kv_f32.restype = None, i64
-    return so.paged_decode_f32, so.write_kv_f32
-
-
-try:  # NOTE: at import: any failure is an ImportError, as for a missing triton
-    _decode_f32, _write_kv_f32 = _build()
-except (OSError, subprocess.SubprocessError) as e:  # an unwritable cache, a bad library
-    raise ImportError(f"the cpu attention backend cannot be built here: {e}") from e
+# NOTE: at import: any failure is an ImportError, as for a missing triton
+_lib = cc_build.build(SOURCE, FLAGS)
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_decode_f32, _write_kv_f32 = _lib.paged_decode_f32, _lib.write_kv_f32
+_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
+                        _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _i32]
+_write_kv_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64]
+_decode_f32.restype, _write_kv_f32.restype = None, _i64
+# NOTE: with this backend the engine also runs RMSNorm and rope in C (kernels/cpu_ops.py);
+# with the torch backend the whole model stays in torch: the reference.
+FUSED_CPU_OPS = True
 
 
 def write_kv(

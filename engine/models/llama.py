@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.forward_context import get_forward_context
 from engine.models.config import ModelConfig
+from kernels import cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -22,8 +23,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused = False  # kernels/cpu_ops.py's one-pass kernel (set_fused_cpu_ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """weight * RMSNorm(x); with `residual`, (normed, new residual): the new residual is
+        residual + x (the fused kernel writes it into `residual`), normed is its norm."""
+        if self.fused and cpu_ops.fits(x, self.weight, *(() if residual is None else (residual,))):
+            out = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: same op order as HF (normalize in float32, then scale) for token parity.
         dtype = x.dtype
         x32 = x.float()
@@ -71,19 +84,33 @@ class RotaryEmbedding:
         half = sin.shape[-1] // 2
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        return RopeTables(self.cos[positions].unsqueeze(1).to(dtype),
-                          self.sin[positions].unsqueeze(1).to(dtype))
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool = False):
+        """The batch's tables; fused: kernels/cpu_ops.py indexes the full ones where it can."""
+        return RopeTables(self, positions, dtype, fused and cpu_ops.rope_fits(positions, self.cos))
 
 
 class RopeTables:
-    """One batch's cos and signed sin, [num_tokens, 1, head_dim] each."""
+    """One batch's cos and signed sin rows, [num_tokens, 1, head_dim] each (looked up once for
+    every layer), or for the fused kernel the positions into the full tables."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.cos, self.sin = cos, sin
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype,
+                 fused: bool) -> None:
+        self.rope, self.positions, self.dtype = rope, positions, dtype
+        self.fused = fused and dtype == torch.float32
+        self.cos = self.sin = None
+        if not self.fused:
+            self._lookup()
+
+    def _lookup(self) -> None:
+        self.cos = self.rope.cos[self.positions].unsqueeze(1).to(self.dtype)
+        self.sin = self.rope.sin[self.positions].unsqueeze(1).to(self.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, heads, head_dim]; rotate-half layout as in HF Llama
+        if self.fused and cpu_ops.rope_input_fits(x):
+            return cpu_ops.rope(x, self.positions, self.rope.cos, self.rope.sin)
+        if self.cos is None:
+            self._lookup()
         half = x.shape[-1] // 2
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
         return x * self.cos + swapped * self.sin
@@ -143,9 +170,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeTables):
+        """x: the previous layer's output (the embedding at layer 0, residual None). Returns
+        this layer's output and the residual stream before it, which the next norm adds in
+        (their sum is HF's hidden state between layers)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope), residual)
+        return self.mlp(h), residual
 
 
 # FP8 KV cache scales as quantized checkpoints name them (vLLM's conventions) -> k, v or both.
@@ -181,6 +215,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
+        self.fused_cpu_ops = False
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         self.rope = RotaryEmbedding(self.cfg, max_positions, device)
@@ -194,10 +229,19 @@ class LlamaForCausalLM(nn.Module):
         """
         assert self.rope is not None, "call init_rope() first"
         x = self.embed_tokens(input_ids)
-        rope = self.rope.lookup(positions, x.dtype)
+        rope = self.rope.lookup(positions, x.dtype, self.fused_cpu_ops)
+        residual = None
         for layer in self.layers[:num_layers]:
-            x = layer(x, rope)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def set_fused_cpu_ops(self, on: bool) -> None:
+        """Run RMSNorm (with its residual add) and rope in kernels/cpu_ops.py's C kernels where
+        the tensors are float32 on the CPU; off (the default): the torch formulas."""
+        self.fused_cpu_ops = on = on and cpu_ops.available()
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fused = on
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied to the embedding

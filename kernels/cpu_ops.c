@@ -1,0 +1,58 @@
+/* Fused float32 ops of the Llama block for the CPU: residual add + RMSNorm, and rope.
+ *
+ * Compiled without -ffast-math and with -ffp-contract=off: every product and sum is the IEEE
+ * operation HF's torch formulas perform, in their order, so rope is bit-identical; RMSNorm
+ * differs only in the order of its sum of squares (vector lanes). Loaded by kernels/cpu_ops.py.
+ */
+#include <math.h>
+#include <stdint.h>
+
+/* residual (when not NULL) += x, then out = weight * (s * (1 / sqrt(mean(s^2) + eps))) where s
+ * is the new residual (or x); rows of `hidden` floats, contiguous. */
+void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
+                      int64_t rows, int64_t hidden, float eps, int num_threads)
+{
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 64)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *s = x + r * hidden;
+        if (residual) {
+            float *res = residual + r * hidden;
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; i++)
+                res[i] = res[i] + s[i];
+            s = res;
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < hidden; i++)
+            ss += s[i] * s[i];
+        const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+        float *o = out + r * hidden;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++)
+            o[i] = weight[i] * (s[i] * inv);
+    }
+}
+
+/* Rotate-half rope: out[t, h] = x[t, h] * cos[p] + swap(x[t, h]) * sin[p], p = positions[t],
+ * swap exchanging the two halves, sin holding its sign (-sin, sin). x: [tokens, heads, dim]
+ * with rows x_stride floats apart, heads contiguous; out contiguous; tables [positions, dim]. */
+void rope_f32(const float *x, int64_t x_stride, const int64_t *positions, const float *cos_t,
+              const float *sin_t, float *out, int64_t tokens, int64_t heads, int64_t dim,
+              int num_threads)
+{
+    const int64_t half = dim / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens >= 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_t + positions[t] * dim, *s = sin_t + positions[t] * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xi = x + t * x_stride + h * dim;
+            float *o = out + (t * heads + h) * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                o[i] = xi[i] * c[i] + xi[i + half] * s[i];
+                o[i + half] = xi[i + half] * c[i + half] + xi[i] * s[i + half];
+            }
+        }
+    }
+}

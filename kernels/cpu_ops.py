@@ -1,0 +1,81 @@
+"""Fused float32 CPU ops of the Llama block in C: residual add + RMSNorm, and rope.
+
+Each replaces several torch ops (RMSNorm alone is six, rope five with its table lookups) by one
+call over the rows; in a decode step those ops are small and their fixed per-op cost is what
+counts. `engine/models/llama.py` uses them where `set_fused_cpu_ops` turned them on (the
+engine does with the `cpu` attention backend) and the tensors fit; the torch formulas otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+# NOTE: no -ffast-math and no FMA contraction: the same IEEE operations as the torch formulas
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=gnu11"]
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def available() -> bool:
+    """The library is built and loaded (tried once per process)."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        from kernels import cc_build
+
+        try:
+            lib = cc_build.build(SOURCE, FLAGS)
+        except ImportError:
+            return False
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
+        lib.rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
+        lib.add_rms_norm_f32.restype = lib.rope_f32.restype = None
+        _lib = lib
+    return _lib is not None
+
+
+def fits(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+               for t in tensors)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """residual += x (in place, when given), then weight * RMSNorm of the sum (or of x).
+
+    x, residual: [rows, hidden] contiguous float32; returns a new [rows, hidden] tensor.
+    """
+    hidden = weight.numel()
+    out = torch.empty_like(x)
+    _lib.add_rms_norm_f32(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                          weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden,
+                          eps, torch.get_num_threads())
+    return out
+
+
+def rope_fits(positions: torch.Tensor, cos: torch.Tensor) -> bool:
+    """The tables and positions the kernel takes (x is checked per call: rope_input_fits)."""
+    return (cos.dtype == torch.float32 and cos.device.type == "cpu" and cos.is_contiguous()
+            and positions.dtype == torch.int64 and positions.is_contiguous())
+
+
+def rope_input_fits(x: torch.Tensor) -> bool:
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3
+            and x.stride()[1:] == (x.shape[2], 1))
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, dim] (rows may be strided) -> rotated, contiguous; cos and the signed
+    sin are the full [max_positions, dim] tables, indexed by positions [tokens] here."""
+    tokens, heads, dim = x.shape
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype)
+    _lib.rope_f32(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
+                  sin.data_ptr(), out.data_ptr(), tokens, heads, dim, torch.get_num_threads())
+    return out
