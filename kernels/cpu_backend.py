@@ -106,7 +106,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Decodes (one query token per sequence, the first len(q) sequences) into `out`.
 
     Each sequence's blocks are split across threads when the sequences give fewer than two
-    tasks per thread and the sequence has 64+ blocks.
+    tasks per thread and the sequence has 16+ blocks.
     """
     nd, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
