@@ -35,8 +35,6 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = _device(config.device)
-        if self.device.type == "cpu":
-            tune_malloc()
         self.dtype = _dtype(config.dtype, self.device)
         self.kv_dtype = _KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         source = resolve_model(config.model, config.served_model_name)
@@ -79,6 +77,8 @@ class EngineCore:
         if config.tensor_parallel_size > 1:
             model.start_workers(self.num_gpu_blocks, self.block_size, self.max_model_len,
                                 self.kv_dtype, self.num_cpu_blocks)
+        if self.device.type == "cpu":
+            tune_malloc()  # NOTE: after loading and packing (engine/allocator.py says why)
         self.block_bytes = block_bytes
         self.step_count = 0
         self._prompt_tokens = 0

@@ -219,8 +219,9 @@ def _caches(cfg, num_blocks: int, block_size: int, num_cpu_blocks: int, dtype: t
     gpu = [(torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
     if device.type == "cpu":
-        for k, v in gpu:
-            k.zero_(), v.zero_()
+        for pair in gpu:
+            for cache in pair:
+                cache.zero_()
     # The swap pool: host memory (pinned on a GPU machine so copies can overlap).
     # NOTE: empty, not zeros: a CPU block is only read after a swap-out wrote it, and
     # untouched pages of an empty tensor cost no memory.

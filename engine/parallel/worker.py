@@ -61,10 +61,10 @@ def worker_main(args: WorkerArgs) -> None:
     if device.type == "cuda":
         device = torch.device("cuda", args.rank)
         torch.cuda.set_device(device)
-    else:
-        tune_malloc()
     init_distributed(args.rank, args.size, args.init_method, device)
     model = build_shard(args.cfg, args.rank, args.size, args.files, args.dtype, device)
+    if device.type == "cpu":
+        tune_malloc()
     ring = ShmRing(args.size - 1, name=args.ring_name)
     try:
         _serve(model, ring, args, device)

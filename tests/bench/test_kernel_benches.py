@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from bench import attention, cpu_linear
+from engine.models.cpu_linear import mkl_packed_available
 
 
 def test_attention_bench_prints_every_case(capsys) -> None:
@@ -23,5 +24,9 @@ def test_cpu_linear_bench_times_all_modes(capsys) -> None:
         torch.set_num_threads(threads)  # the flag sets it for the whole process
     out = capsys.readouterr().out.splitlines()
     assert "121 linear products per step" in out[0]
+    modes = out[1].split("speedup over torch:")[0].split()[1:]
+    assert modes[:3] == ["torch", "onednn", "dense+onednn"]
+    assert modes[3:] == (["dual"] if mkl_packed_available() else [])
     assert [line.split()[0] for line in out[2:]] == ["1", "4"]
-    assert all(len(line.split()) == 6 for line in out[2:])
+    # rows, then ms per mode, then the speedup of each mode but torch
+    assert all(len(line.split()) == 2 * len(modes) for line in out[2:])
