@@ -73,7 +73,10 @@ def rope_input_fits(x: torch.Tensor) -> bool:
 def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor) -> torch.Tensor:
     """x: [tokens, heads, dim] (rows may be strided) -> rotated, contiguous; cos and the signed
-    sin are the full [max_positions, dim] tables, indexed by positions [tokens] here."""
+    sin are the full [max_positions, dim] tables, indexed by positions [tokens] here.
+
+    positions are not bounds-checked: the runner's are below max_model_len, the tables' length.
+    """
     tokens, heads, dim = x.shape
     out = torch.empty(tokens, heads, dim, dtype=x.dtype)
     _lib.rope_f32(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
