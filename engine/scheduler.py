@@ -188,8 +188,10 @@ class Scheduler:
             blocks = len(req.cpu_block_ids)
             if self.kv.blocks_needed(req.num_computed_tokens + n) > self.kv.num_free_blocks:
                 break
-            assert self.kv.swap_in(req)
-            assert self.kv.allocate_slots(req, n)
+            # NOTE: explicit checks, not asserts: these calls do the work (`python -O`
+            # strips asserts), and the room was checked just above.
+            if not self.kv.swap_in(req) or not self.kv.allocate_slots(req, n):
+                raise RuntimeError(f"swap-in of {req.request_id!r} found no room after the check")
             self.preemptions.swap_in_blocks += blocks
             self.swapped.pop(0)
             self._start(req, n, out)
