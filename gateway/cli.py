@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "empty: same-origin WebSockets only, no CORS")
     group.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes,
                        help="largest request body accepted (413 beyond)")
+    group.add_argument("--sse-keepalive-interval", type=float,
+                       default=GatewaySettings.sse_keepalive_interval,
+                       help="send an SSE `: ping` comment after this many seconds without an "
+                            "event (for proxies that cut idle streams); default: never, as "
+                            "OpenAI and vLLM (`vllm bench serve` mis-parses lone comments)")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may finish after SIGTERM before abort")
     group.add_argument("--log-level", default="info", help="gateway log level")
@@ -96,6 +101,7 @@ def check_args(ns: argparse.Namespace) -> EngineConfig:
     """Validate what argparse cannot; returns the engine config (ValueError names the flag)."""
     if ns.max_queued_requests is not None and ns.max_queued_requests < 1:
         raise ValueError("--max-queued-requests must be >= 1")
+    settings_from_args(ns)  # NOTE: GatewaySettings validates its own fields (ValueError)
     if ns.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be >= 0")
     for flag in ("engine_heartbeat_timeout", "engine_startup_timeout"):
@@ -152,6 +158,7 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
         api_key=ns.api_key or None, max_queued_requests=ns.max_queued_requests,
         allowed_origins=origins, max_body_bytes=ns.max_body_bytes,
         otlp_traces_endpoint=ns.otlp_traces_endpoint or None,
+        sse_keepalive_interval=ns.sse_keepalive_interval,
     )
 
 

@@ -1,7 +1,8 @@
 """One request's path through the gateway: submit, detokenize, match stop strings, count, abort.
 
 Both the HTTP handlers and the WebSocket session consume a `Generation` as an async iterator of
-`Piece`s (None while nothing arrived for `tick` seconds, so SSE can send `: ping`).
+`Piece`s (None while nothing arrived for `tick` seconds, so SSE can send `: ping`; a `tick` of
+None never yields None).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class Generation:
         tokenizer: Decoder,
         job: Job,
         metrics: Metrics,
-        tick: float = 1.0,
+        tick: float | None = None,
     ) -> None:
         self.job = job
         self.completion_tokens = 0

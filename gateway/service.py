@@ -30,10 +30,18 @@ class GatewaySettings:
     max_body_bytes: int = 4 * 1024 * 1024
     tokenizer: str | None = None  # overrides EngineReady.tokenizer
     max_logprobs: int = 20
-    ping_interval: float = 1.0  # SSE `: ping` while nothing arrives
+    # NOTE: SSE `: ping` comments after this many seconds without an event; None: never.
+    # Off by default: neither OpenAI nor vLLM sends any, and `vllm bench serve` strips each
+    # network read, so a ping that arrives alone glues itself to the next event (docs/api.md).
+    sse_keepalive_interval: float | None = None
     drain_retry_after: int = 5
     ws_send_queue: int = 256  # frames queued per WebSocket before it is closed 1013
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: a span per request
+
+    def __post_init__(self) -> None:
+        interval = self.sse_keepalive_interval
+        if interval is not None and not interval > 0:
+            raise ValueError("sse_keepalive_interval must be > 0 (or None: no keep-alive)")
 
 
 def _engine_exception_types() -> tuple[type[BaseException], ...]:
@@ -146,7 +154,7 @@ class Gateway:
             raise unavailable("too many queued requests; retry later", "server_overloaded")
         try:
             gen = Generation(self.client, self.tokenizer(), job, self.metrics,
-                             self.settings.ping_interval)
+                             self.settings.sse_keepalive_interval)
         except self._unavailable as exc:
             raise unavailable(f"the engine is not available: {exc}", "engine_unavailable") from None
         self.generations[job.request_id] = gen

@@ -78,7 +78,7 @@ async def test_sse_framing_and_stop_string(fake_engine: FakeEngine) -> None:
 
 async def test_ping_while_queued(fake_engine: FakeEngine) -> None:
     fake_engine.first_delay = 0.5
-    async with serve(_app(fake_engine, ping_interval=0.1)) as url, \
+    async with serve(_app(fake_engine, sse_keepalive_interval=0.1)) as url, \
             httpx.AsyncClient(base_url=url) as http:
         async with http.stream("POST", "/v1/completions",
                                json={"prompt": "x", "stream": True, "max_tokens": 2}) as response:
@@ -289,3 +289,17 @@ async def test_a_bug_is_a_json_500(fake_engine: FakeEngine) -> None:
         response = await http.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == 500
     assert response.json()["error"]["code"] == "internal_error"
+
+
+async def test_no_ping_by_default(fake_engine: FakeEngine) -> None:
+    fake_engine.first_delay = 0.3
+    async with serve(_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        async with http.stream("POST", "/v1/completions",
+                               json={"prompt": "x", "stream": True, "max_tokens": 2}) as response:
+            events = await _sse_events(response)
+        assert all(e.startswith("data: ") for e in events)
+
+
+def test_keepalive_interval_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="sse_keepalive_interval"):
+        GatewaySettings(sse_keepalive_interval=0)
