@@ -128,6 +128,11 @@ class Generation:
         metrics.prompt_tokens.inc(len(job.prompt_ids))
 
     @property
+    def closed(self) -> bool:
+        """True once `aclose` ran (the request is aborted if unfinished, and counted)."""
+        return self._closed
+
+    @property
     def started(self) -> bool:
         """True once the engine has answered (the request left its queue)."""
         return self.first_token_time is not None

@@ -150,6 +150,7 @@ class Session:
         self.id = f"sess-{uuid.uuid4().hex[:16]}"
         self.outbox = Outbox(gateway.settings.ws_send_queue)
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.endings: set[asyncio.Future[None]] = set()  # see _task_done
         self.seq: dict[str, int] = {}
 
     async def run(self) -> None:
@@ -250,32 +251,52 @@ class Session:
             return
         self.seq[gen_id] = 0
         self.push({"type": "generation.started", "id": gen_id, "request_id": gen.job.request_id})
-        self.tasks[gen_id] = asyncio.create_task(self._run(gen_id, gen))
+        task = asyncio.create_task(self._run(gen_id, gen))
+        self.tasks[gen_id] = task
+        task.add_done_callback(lambda t: self._task_done(gen_id, gen, t))
 
     # ---- generations --------------------------------------------------------------------
 
     async def _run(self, gen_id: str, gen: Generation) -> None:
         builder = ChunkBuilder(gen, self.gw.namer())
-        cancelled = False
+        error: ApiError | None = None
         try:
             async for piece in gen:
                 if piece is None:
                     continue
                 if piece.finish_reason == FINISH_ERROR:
-                    self._error(gen_id, ApiError(500, piece.error or "the engine failed",
-                                                 "engine_error"))
-                    return
+                    error = ApiError(500, piece.error or "the engine failed", "engine_error")
+                    break
                 chunk = builder.chunk(piece)
                 if chunk is not None:
                     self.push({"type": "generation.delta", "id": gen_id,
                                "chunk": msgspec.to_builtins(chunk)})
         except asyncio.CancelledError:
-            cancelled = True  # NOTE: only this session cancels these tasks (cancel frame, close)
-        finally:
+            pass  # NOTE: only this session cancels these tasks (cancel frame, close)
+        await self._end(gen_id, gen, error)
+
+    def _task_done(self, gen_id: str, gen: Generation, task: asyncio.Task[None]) -> None:
+        """Every generation task ends here. One cancelled before its first step never ran
+        `_run` (a `cancel` right after its `generate`): it is ended from a task of its own."""
+        if self.tasks.get(gen_id) is task:
+            del self.tasks[gen_id]
+        if not gen.closed:
+            ending = asyncio.ensure_future(self._end(gen_id, gen, None))
+            self.endings.add(ending)
+            ending.add_done_callback(self.endings.discard)
+
+    async def _end(self, gen_id: str, gen: Generation, error: ApiError | None) -> None:
+        """Abort and count the request, free its id, and send its one terminal frame."""
+        try:
             await gen.aclose()
+        finally:
             self.gw.finished(gen)
-            self.tasks.pop(gen_id, None)
-        status = "cancelled" if cancelled or gen.finish_reason == FINISH_ABORT else "completed"
+            if self.tasks.get(gen_id) is asyncio.current_task():
+                del self.tasks[gen_id]
+        if error is not None:
+            self._error(gen_id, error)
+            return
+        status = "cancelled" if gen.finish_reason == FINISH_ABORT else "completed"
         self.push({"type": "generation.done", "id": gen_id, "status": status,
                    "finish_reason": gen.finish_reason,
                    "usage": msgspec.to_builtins(usage_of(gen)),
@@ -315,6 +336,7 @@ class Session:
             task.cancel()
         sender.cancel()
         await asyncio.gather(sender, *tasks, return_exceptions=True)
+        await asyncio.gather(*list(self.endings), return_exceptions=True)
         # NOTE: a send that failed because the peer left ends the sender with an error; that
         # is a normal close, and the receive side reports it too.
         if overflowed:

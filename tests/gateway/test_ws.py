@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 import websockets
@@ -146,3 +147,56 @@ async def test_outbox_coalesces_then_overflows() -> None:
     assert len(box) == 3
     box.push(_delta("c", "y" * 60))
     assert box.overflowed and await box.pop() is None
+
+
+def _counted(gw, reason: str) -> float:
+    return gw.metrics.requests.labels(finish_reason=reason)._value.get()
+
+
+async def test_cancel_before_the_task_first_runs(fake_engine: FakeEngine) -> None:
+    """The race itself: the generation's task is cancelled before its first step."""
+    from gateway.service import Gateway
+    from gateway.ws import Session, State
+
+    gw = Gateway(fake_engine, GatewaySettings(max_queued_requests=1))
+    session = Session(gw, SimpleNamespace(headers={}))  # type: ignore[arg-type]
+    session.state = State.OPEN
+    session._handle(json.dumps({"type": "generate", "id": "b", "request": REQUEST}))
+    session._handle(json.dumps({"type": "cancel", "id": "b"}))  # same loop turn: not started
+    for _ in range(100):
+        if not gw.generations and not session.tasks and not session.endings:
+            break
+        await asyncio.sleep(0.01)
+    frames = [await session.outbox.pop() for _ in range(len(session.outbox))]
+    ends = [f for f in frames if f["type"] in ("generation.done", "error")]
+    assert len(ends) == 1 and ends[0]["status"] == "cancelled"
+    assert ends[0]["finish_reason"] == "abort"
+    started = next(f for f in frames if f["type"] == "generation.started")
+    assert started["request_id"] in fake_engine.aborted
+    assert gw.generations == {} and session.tasks == {} and gw.num_waiting == 0
+    assert _counted(gw, "abort") == 1
+
+
+async def test_generate_generate_cancel_back_to_back(fake_engine: FakeEngine) -> None:
+    """`generate a`, `generate b`, `cancel b` in a row on a fresh server, with a queue of 1."""
+    fake_engine.interval = 0.02
+    app = build_app(fake_engine, GatewaySettings(max_queued_requests=2))
+    gw = app.state.gateway
+    async with serve(app) as url, websockets.connect(
+        _ws_url(url), subprotocols=["pagedserve.v1"]
+    ) as ws:
+        await _recv(ws)
+        for _ in range(3):
+            for frame in ({"type": "generate", "id": "a", "request": REQUEST},
+                          {"type": "generate", "id": "b", "request": REQUEST},
+                          {"type": "cancel", "id": "b"}):
+                await ws.send(json.dumps(frame))
+            frames = await _until_done(ws, {"a", "b"})
+            ends = [f for f in frames if f["type"] in ("generation.done", "error")]
+            assert sorted(f["id"] for f in ends) == ["a", "b"]
+            done = {f["id"]: f for f in ends}
+            assert done["b"]["status"] == "cancelled" and done["a"]["status"] == "completed"
+        assert gw.generations == {} and gw.num_waiting == 0
+    assert _counted(gw, "abort") == 3 and _counted(gw, "stop") == 3
+    started_b = [m.request_id for m in fake_engine.submitted][1::2]
+    assert set(started_b) <= set(fake_engine.aborted)
