@@ -296,6 +296,8 @@ def ready_message(core: Core, incarnation: str) -> EngineReady:
         incarnation=incarnation, eos_token_ids=list(core.eos_token_ids),
         tokenizer=core.tokenizer_dir,
         max_num_seqs=getattr(getattr(core, "config", None), "max_num_seqs", 0),
+        max_logprobs=getattr(getattr(core, "config", None), "max_logprobs",
+                             EngineConfig.max_logprobs),
     )
 
 

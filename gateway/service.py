@@ -29,7 +29,6 @@ class GatewaySettings:
     allowed_origins: tuple[str, ...] = ()  # CORS and WebSocket Origin allow-list
     max_body_bytes: int = 4 * 1024 * 1024
     tokenizer: str | None = None  # overrides EngineReady.tokenizer
-    max_logprobs: int = 20
     # NOTE: SSE `: ping` comments after this many seconds without an event; None: never.
     # Off by default: neither OpenAI nor vLLM sends any, and `vllm bench serve` strips each
     # network read, so a ping that arrives alone glues itself to the next event (docs/api.md).
@@ -129,7 +128,8 @@ class Gateway:
                 "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
             )
         max_tokens = max_tokens or max_model_len - len(prompt_ids)
-        sampling = to_sampling(request, max_tokens, self.settings.max_logprobs)
+        # NOTE: the engine's --max-logprobs, reported in its handshake: one limit, not two
+        sampling = to_sampling(request, max_tokens, self.client.info.max_logprobs)  # type: ignore[union-attr]
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
         request_id = request.request_id or f"{prefix}-{uuid.uuid4().hex}"
         if request_id in self.generations:

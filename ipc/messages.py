@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ipc.config import EngineConfig
 from ipc.sampling import SamplingParams
 
 # Terminal finish reasons. Every request gets exactly one TokenDelta whose finish_reason is set.
@@ -130,6 +131,7 @@ class EngineReady(_Msg, tag="ready"):
     eos_token_ids: list[int] = []
     tokenizer: str = ""  # a directory with tokenizer.json + tokenizer_config.json
     max_num_seqs: int = 0  # most requests it runs at once (0: not reported)
+    max_logprobs: int = EngineConfig.max_logprobs  # most top logprobs a request may ask
 
 
 class StepOutputs(_Msg, tag="outputs"):

@@ -51,7 +51,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             "repetition_penalty",
             "must be > 0",
         )
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        # NOTE: the upper bound is the engine's --max-logprobs (EngineConfig.max_logprobs)
+        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0")
         _check(all(s for s in self.stop), "stop", "must not contain empty strings")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
         _check(1 <= self.n <= 64, "n", "must be in [1, 64]")

@@ -303,3 +303,18 @@ async def test_no_ping_by_default(fake_engine: FakeEngine) -> None:
 def test_keepalive_interval_must_be_positive() -> None:
     with pytest.raises(ValueError, match="sse_keepalive_interval"):
         GatewaySettings(sse_keepalive_interval=0)
+
+
+async def test_logprobs_limit_is_the_engines(fake_engine: FakeEngine) -> None:
+    """`--max-logprobs` reaches the gateway through the engine's handshake (one limit)."""
+    import msgspec
+
+    fake_engine.info = msgspec.structs.replace(fake_engine.info, max_logprobs=30)
+    async with serve(_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        ok = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1,
+                                                      "logprobs": 30})
+        assert ok.status_code == 200, ok.text
+        too_many = await http.post("/v1/chat/completions", json={
+            **CHAT, "logprobs": True, "top_logprobs": 31, "max_tokens": 1})
+        assert too_many.status_code == 400
+        assert too_many.json()["error"]["param"] == "top_logprobs"
