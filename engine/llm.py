@@ -11,7 +11,7 @@ from engine.tokenizer import load_tokenizer
 from ipc.config import EngineConfig
 from ipc.messages import FINISH_STOP, AddRequest, RequestMetrics, TokenDelta
 from ipc.sampling import SamplingParams
-from ipc.text import IncrementalDetokenizer, StopMatcher
+from ipc.text import ChoiceText
 
 Prompt = str | dict
 
@@ -165,8 +165,8 @@ class _Choice:
         if params.logprobs is not None:
             self.choice.logprobs = []
         self.params = params
-        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-        self.stops = StopMatcher(params.stop, params.include_stop_str_in_output)
+        self.text = ChoiceText(tokenizer, params.skip_special_tokens, params.stop,
+                               params.include_stop_str_in_output)
 
     def add(self, delta: TokenDelta) -> bool:
         """Consume a delta; True when the choice is finished."""
@@ -180,18 +180,12 @@ class _Choice:
                 {p.token_id: p.logprob, **{t.token_id: t.logprob for t in p.top}}
                 for p in delta.logprobs
             )
-        if delta.stop_reason is not None and not self.params.include_stop_str_in_output:
-            tokens = tokens[:-1]  # the stop token's text is not part of the output
-        text = self.detok.add(tokens)
-        if delta.finished:
-            text += self.detok.flush()
-        emitted, stopped = self.stops.push(text)
+        emitted, stopped = self.text.add(tokens, delta.finished, delta.stop_reason is not None)
         out.text += emitted
         if stopped:
-            out.finish_reason, out.stop_reason = FINISH_STOP, self.stops.matched
+            out.finish_reason, out.stop_reason = FINISH_STOP, self.text.matched
             return True
         if delta.finished:
-            out.text += self.stops.flush()
             out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
             out.metrics = delta.metrics
             return True

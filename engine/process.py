@@ -55,6 +55,7 @@ class Core(Protocol):
 
     def add_request(self, msg: AddRequest) -> None: ...
     def abort_requests(self, request_ids: Iterable[str]) -> list[TokenDelta]: ...
+    def abort_choice(self, request_id: str, index: int) -> list[TokenDelta]: ...
     def step(self) -> list[TokenDelta]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> EngineStats: ...
@@ -148,8 +149,10 @@ class EngineLoop:
         match msg:
             case AddRequest():
                 return self._add(msg)
-            case AbortRequests(request_ids=ids):
+            case AbortRequests(request_ids=ids, index=None):
                 return self._core.abort_requests(ids)
+            case AbortRequests(request_ids=ids, index=index):
+                return [d for rid in ids for d in self._core.abort_choice(rid, index)]
             case Shutdown(timeout=timeout):
                 self.request_shutdown(timeout)
                 return []

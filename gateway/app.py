@@ -136,7 +136,7 @@ class Handlers:
         finally:
             await gen.aclose()
             self.gw.finished(gen)
-        return _json(acc.response(gen.finish_reason), headers)
+        return _json(acc.response(), headers)
 
     async def cancel(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]

@@ -83,32 +83,40 @@ def timeline_of(gen: Generation) -> Timeline:
 
 
 class ChunkBuilder:
-    """Builds one stream's chunks: the role in the first chat delta, finish_reason on the last."""
+    """Builds one stream's chunks: each choice's first chat delta carries the role, its last
+    one its finish_reason; choice i of the request is `index_base + i` in the chunks (batched
+    prompts: prompt p of a request with n choices starts at p * n, as OpenAI numbers them)."""
 
-    def __init__(self, gen: Generation, namer: TokenNamer) -> None:
+    def __init__(self, gen: Generation, namer: TokenNamer, index_base: int = 0) -> None:
         self._gen = gen
         self._namer = namer
-        self._sent_role = False
-        self._offset = 0
+        self._base = index_base
+        self._sent_role: set[int] = set()
+        self._offset: dict[int, int] = {}
 
     def chunk(self, piece: Piece) -> Chunk | None:
         job = self._gen.job
         wants_logprobs = job.sampling.logprobs is not None and piece.logprobs
-        if not (piece.text or piece.finish_reason or wants_logprobs or not self._sent_role):
+        first = piece.index not in self._sent_role
+        if not (piece.text or piece.finish_reason or wants_logprobs or first):
             return None
-        timeline = timeline_of(self._gen) if piece.finish_reason else UNSET
+        last = piece.finish_reason is not None and self._gen.finish_reason is not None
+        timeline = timeline_of(self._gen) if last else UNSET
+        index = self._base + piece.index
         if job.kind == "chat":
             delta = Delta(content=piece.text or None)
-            if not self._sent_role:
+            if first:
                 delta.role, delta.content = "assistant", piece.text
-                self._sent_role = True
+                self._sent_role.add(piece.index)
             lp = self._namer.chat(piece.logprobs) if wants_logprobs else None
-            choice = ChatChunkChoice(0, delta, lp, piece.finish_reason)
+            choice = ChatChunkChoice(index, delta, lp, piece.finish_reason)
             return ChatCompletionChunk(job.request_id, job.created, job.model, [choice],
                                        timeline=timeline)
-        lp = self._namer.completion(piece.logprobs, self._offset) if wants_logprobs else None
-        self._offset += len(piece.text)
-        choice = CompletionChoice(0, piece.text, lp, piece.finish_reason)
+        self._sent_role.add(piece.index)
+        offset = self._offset.get(piece.index, 0)
+        lp = self._namer.completion(piece.logprobs, offset) if wants_logprobs else None
+        self._offset[piece.index] = offset + len(piece.text)
+        choice = CompletionChoice(index, piece.text, lp, piece.finish_reason)
         return Completion(job.request_id, job.created, job.model, [choice], timeline=timeline)
 
     def usage_chunk(self) -> Chunk:
@@ -120,30 +128,59 @@ class ChunkBuilder:
         return Completion(job.request_id, job.created, job.model, [], usage=usage_of(self._gen))
 
 
+class _Collected:
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.logprobs: list[PositionLogprobs] = []
+        self.finish_reason: str | None = None
+        self.cumulative_logprob: float | None = None
+
+
 class Accumulator:
-    """Collects pieces into the single JSON response of a non-streaming request."""
+    """Collects pieces into the single JSON response of a non-streaming request; with best_of
+    it keeps the n choices of highest cumulative logprob (renumbered 0 .. n-1)."""
 
     def __init__(self, gen: Generation, namer: TokenNamer) -> None:
         self._gen = gen
         self._namer = namer
-        self._text: list[str] = []
-        self._logprobs: list[PositionLogprobs] = []
+        self._choices = [_Collected() for _ in range(gen.job.sampling.num_choices)]
 
     def add(self, piece: Piece) -> None:
-        self._text.append(piece.text)
+        c = self._choices[piece.index]
+        c.text.append(piece.text)
         if piece.logprobs:
-            self._logprobs.extend(piece.logprobs)
+            c.logprobs.extend(piece.logprobs)
+        if piece.cumulative_logprob is not None:
+            c.cumulative_logprob = piece.cumulative_logprob
+        c.finish_reason = piece.finish_reason or c.finish_reason
 
-    def response(self, finish_reason: str | None) -> ChatCompletion | Completion:
+    def kept(self) -> list[_Collected]:
+        """The choices returned, in order."""
+        s = self._gen.job.sampling
+        choices = list(self._choices)
+        if s.best_of:
+            choices.sort(key=lambda c: -(c.cumulative_logprob or 0.0))
+        return choices[: s.n]
+
+    def choices(self, index_base: int = 0) -> list[ChatChoice] | list[CompletionChoice]:
         job = self._gen.job
-        text = "".join(self._text)
         want = job.sampling.logprobs is not None
+        out: list = []
+        for i, c in enumerate(self.kept()):
+            text = "".join(c.text)
+            if job.kind == "chat":
+                lp = self._namer.chat(c.logprobs) if want else None
+                out.append(ChatChoice(index_base + i, Message("assistant", text), lp,
+                                      c.finish_reason))
+            else:
+                lp = self._namer.completion(c.logprobs, 0) if want else None
+                out.append(CompletionChoice(index_base + i, text, lp, c.finish_reason))
+        return out
+
+    def response(self) -> ChatCompletion | Completion:
+        job = self._gen.job
         if job.kind == "chat":
-            lp = self._namer.chat(self._logprobs) if want else None
-            choice = ChatChoice(0, Message("assistant", text), lp, finish_reason)
-            return ChatCompletion(job.request_id, job.created, job.model, [choice],
+            return ChatCompletion(job.request_id, job.created, job.model, self.choices(),
                                   usage_of(self._gen), timeline=timeline_of(self._gen))
-        lp = self._namer.completion(self._logprobs, 0) if want else None
-        return Completion(job.request_id, job.created, job.model,
-                          [CompletionChoice(0, text, lp, finish_reason)], usage_of(self._gen),
-                          timeline=timeline_of(self._gen))
+        return Completion(job.request_id, job.created, job.model, self.choices(),
+                          usage_of(self._gen), timeline=timeline_of(self._gen))

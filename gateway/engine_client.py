@@ -44,12 +44,16 @@ class EngineUnavailableError(Exception):
 
 
 class RequestStream:
-    """Async iterator of one request's TokenDeltas; it ends right after the terminal delta."""
+    """Async iterator of one request's TokenDeltas; it ends right after the last terminal
+    delta: one per choice (n > 1 has n), or the first error."""
 
-    def __init__(self, request_id: str, on_close: Callable[[str], None]) -> None:
+    def __init__(self, request_id: str, on_close: Callable[[str], None],
+                 num_choices: int = 1) -> None:
         self.request_id = request_id
         self._queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self._on_close = on_close
+        self._open_queued = num_choices  # choices whose terminal delta is not queued yet
+        self._open_seen = num_choices  # choices whose terminal delta the consumer has not seen
         self._terminal_queued = False  # nothing more will be queued
         self._done = False  # the consumer has seen the terminal delta (or closed)
 
@@ -65,7 +69,8 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         delta = await self._queue.get()
-        self._done = delta.finished
+        self._open_seen = _still_open(self._open_seen, delta)
+        self._done = self._open_seen == 0
         return delta
 
     def drain_nowait(self) -> list[TokenDelta]:
@@ -73,7 +78,8 @@ class RequestStream:
         out: list[TokenDelta] = []
         while not self._done and not self._queue.empty():
             out.append(self._queue.get_nowait())
-            self._done = out[-1].finished
+            self._open_seen = _still_open(self._open_seen, out[-1])
+            self._done = self._open_seen == 0
         return out
 
     async def aclose(self) -> None:
@@ -86,8 +92,16 @@ class RequestStream:
     def _put(self, delta: TokenDelta) -> None:
         if self._terminal_queued:
             return
-        self._terminal_queued = delta.finished
+        self._open_queued = _still_open(self._open_queued, delta)
+        self._terminal_queued = self._open_queued == 0
         self._queue.put_nowait(delta)
+
+
+def _still_open(num_open: int, delta: TokenDelta) -> int:
+    """Choices still running after `delta` (an error ends them all)."""
+    if delta.finish_reason == FINISH_ERROR:
+        return 0
+    return num_open - 1 if delta.finished else num_open
 
 
 class EngineClient:
@@ -227,7 +241,7 @@ class EngineClient:
             raise EngineUnavailableError(self.last_error or "engine is not ready")
         if msg.request_id in self._streams:
             raise ValueError(f"request_id {msg.request_id!r} is already in flight")
-        stream = RequestStream(msg.request_id, self._close_stream)
+        stream = RequestStream(msg.request_id, self._close_stream, msg.sampling.num_choices)
         self._streams[msg.request_id] = stream
         self._send(msg)
         return stream
@@ -236,6 +250,12 @@ class EngineClient:
         """Ask the engine to abort; idempotent. The stream then ends with an 'abort' delta."""
         if request_id in self._streams and request_id not in self._pending_aborts:
             self._queue_abort(request_id)
+
+    def abort_choice(self, request_id: str, index: int) -> None:
+        """Stop one choice of an n > 1 request (it matched a stop string); the stream still
+        gets that choice's terminal delta."""
+        if request_id in self._streams and self._identity is not None:
+            self._send(AbortRequests(request_ids=[request_id], index=index))
 
     def _close_stream(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
@@ -330,7 +350,7 @@ class EngineClient:
             if stream is None:
                 continue  # closed by the consumer; its abort is on the way
             stream._put(delta)
-            if delta.finished:
+            if stream.finished:
                 del self._streams[delta.request_id]
 
     # ---- supervision --------------------------------------------------------------------

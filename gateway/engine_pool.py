@@ -140,6 +140,10 @@ class EnginePool:
         for m in self.members:
             m.client.abort(request_id)  # NOTE: a no-op on engines that do not run it
 
+    def abort_choice(self, request_id: str, index: int) -> None:
+        for m in self.members:
+            m.client.abort_choice(request_id, index)  # NOTE: as abort
+
     # ---- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:

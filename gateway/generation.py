@@ -28,7 +28,7 @@ from ipc.messages import (
     TokenDelta,
 )
 from ipc.sampling import SamplingParams
-from ipc.text import IncrementalDetokenizer, StopMatcher
+from ipc.text import ChoiceText
 
 log = structlog.get_logger("pagedserve.request")
 
@@ -52,6 +52,8 @@ class EngineClientLike(Protocol):
     def submit(self, msg: AddRequest) -> RequestStreamLike: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def abort_choice(self, request_id: str, index: int) -> None: ...
 
 
 class Decoder(Protocol):
@@ -77,13 +79,16 @@ class Job:
 
 @dataclass
 class Piece:
-    """New text (stop strings held back) and the tokens behind it; `finish_reason` set is last."""
+    """New text of choice `index` (stop strings held back) and the tokens behind it;
+    `finish_reason` set is that choice's last piece."""
 
     text: str
     token_ids: list[int]
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    index: int = 0
+    cumulative_logprob: float | None = None  # with best_of: the choice's total so far
 
 
 class Generation:
@@ -100,18 +105,19 @@ class Generation:
         self.job = job
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the engine found in its prefix cache
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # set once every choice has finished
         self._client = client
         self._metrics = metrics
         self._tick = tick
-        sampling = job.sampling
-        self._detok = IncrementalDetokenizer(tokenizer, sampling.skip_special_tokens)
-        self._stops = StopMatcher(sampling.stop, sampling.include_stop_str_in_output)
+        s = job.sampling
+        self._texts = [ChoiceText(tokenizer, s.skip_special_tokens, s.stop,
+                                  s.include_stop_str_in_output) for _ in range(s.num_choices)]
+        self.choice_finish_reasons: list[str | None] = [None] * s.num_choices
         self._stream = client.submit(
             AddRequest(
                 request_id=job.request_id,
                 prompt_token_ids=job.prompt_ids,
-                sampling=sampling,
+                sampling=s,
                 priority=job.priority,
                 arrival_time=job.arrival,
                 cache_salt=job.cache_salt,
@@ -180,13 +186,19 @@ class Generation:
             return
         self._closed = True
         if self.finish_reason is None:
-            self.finish_reason = FINISH_ABORT
+            self._end_choices(FINISH_ABORT)
         await self._stream.aclose()
         self._finish_metrics()
 
     def _on_delta(self, delta: TokenDelta) -> Piece | None:
         now = time.monotonic()
         ids = delta.new_token_ids
+        i = delta.index
+        if delta.finish_reason == FINISH_ERROR:
+            self._end_choices(FINISH_ERROR)
+            return Piece("", ids, None, FINISH_ERROR, delta.error, index=i)
+        if not 0 <= i < len(self._texts) or self.choice_finish_reasons[i] is not None:
+            return None  # NOTE: a choice that a stop string ended here; its abort is on the way
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         if delta.scheduled_time is not None:
             self.scheduled_time = delta.scheduled_time
@@ -195,24 +207,41 @@ class Generation:
             self.engine_metrics = delta.metrics
         if ids:
             self._count_tokens(now, len(ids))
-        text = self._detok.add(ids)
-        if delta.finished:
-            text += self._detok.flush()
-        safe, stopped = self._stops.push(text)
+        safe, stopped = self._texts[i].add(ids, delta.finished, delta.stop_reason is not None)
+        lp, total = delta.logprobs, delta.cumulative_logprob
         if stopped:
             # NOTE: a stop string is a normal finish for the client; the engine is aborted.
-            self.finish_reason = FINISH_STOP
-            self.finished_time = time.time()
-            self._client.abort(self.job.request_id)
-            return Piece(safe, ids, delta.logprobs, FINISH_STOP)
+            if not delta.finished:
+                self._abort_choice(i)
+            self._end_choice(i, FINISH_STOP)
+            return Piece(safe, ids, lp, FINISH_STOP, index=i, cumulative_logprob=total)
         if delta.finished:
-            self.finish_reason = delta.finish_reason
-            self.finished_time = time.time()
-            safe += self._stops.flush()
-            return Piece(safe, ids, delta.logprobs, delta.finish_reason, delta.error)
+            self._end_choice(i, delta.finish_reason)
+            return Piece(safe, ids, lp, delta.finish_reason, index=i, cumulative_logprob=total)
         if safe or ids:
-            return Piece(safe, ids, delta.logprobs)
+            return Piece(safe, ids, lp, index=i, cumulative_logprob=total)
         return None
+
+    def _abort_choice(self, index: int) -> None:
+        others = [r for j, r in enumerate(self.choice_finish_reasons) if j != index]
+        if all(r is not None for r in others):
+            self._client.abort(self.job.request_id)
+        else:
+            self._client.abort_choice(self.job.request_id, index)
+
+    def _end_choice(self, index: int, reason: str | None) -> None:
+        self.choice_finish_reasons[index] = reason or FINISH_ABORT
+        reasons = self.choice_finish_reasons
+        if all(r is not None for r in reasons):
+            # NOTE: the request's one reason (metrics, WS done): abort if any choice was
+            # aborted, else the first choice's
+            self.finish_reason = FINISH_ABORT if FINISH_ABORT in reasons else reasons[0]
+            self.finished_time = time.time()
+
+    def _end_choices(self, reason: str) -> None:
+        self.choice_finish_reasons = [r or reason for r in self.choice_finish_reasons]
+        self.finish_reason = reason
+        self.finished_time = time.time()
 
     def _count_tokens(self, now: float, n: int) -> None:
         m = self._metrics

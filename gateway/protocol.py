@@ -65,6 +65,8 @@ class _Common(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    use_beam_search: bool = False  # beam search of width n (outputs arrive when it ends)
+    length_penalty: float = 1.0  # with use_beam_search: scores divided by length ** this
 
     @property
     def include_usage(self) -> bool:
@@ -100,6 +102,7 @@ class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[str | TokenId]  # a text, a list of token ids, or a list of one text
     max_tokens: PosInt | None = 16
     logprobs: NonNegInt | None = None
+    best_of: PosInt | None = None  # sample this many, return the n of highest logprob
 
     @property
     def num_logprobs(self) -> int | None:
@@ -140,8 +143,10 @@ def decode_request(body: bytes, kind: type[AnyRequest]) -> AnyRequest:
 
 
 def check_request(request: AnyRequest) -> None:
-    if request.n != 1:
-        raise ApiError(400, "only n=1 is supported", "unsupported_value", "n")
+    best_of = getattr(request, "best_of", None)
+    if request.stream and best_of is not None and best_of != request.n:
+        raise ApiError(400, "best_of > n cannot be streamed (the best are known at the end)",
+                       "invalid_value", "best_of")
     if isinstance(request, ChatCompletionRequest):
         if not request.messages:
             raise ApiError(400, "messages must not be empty", "invalid_value", "messages")
@@ -182,6 +187,10 @@ def to_sampling(request: AnyRequest, max_tokens: int, max_logprobs: int) -> Samp
             logprobs=num_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            n=request.n,
+            best_of=getattr(request, "best_of", None),
+            use_beam_search=request.use_beam_search,
+            length_penalty=request.length_penalty,
             **{k: v for k, v in given.items() if v is not None},
         )
     except ValueError as exc:

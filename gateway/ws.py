@@ -113,23 +113,30 @@ def _chunk_chars(chunk: dict[str, Any]) -> int:
 
 
 def _merge_chunk(into: dict[str, Any], new: dict[str, Any]) -> int:
-    """Append `new`'s text and logprobs to `into`; returns the characters added."""
-    if not new.get("choices"):
-        return 0
-    if not into.get("choices"):
-        into["choices"] = new["choices"]
-        return _chunk_chars(new)
-    old_choice, new_choice = into["choices"][0], new["choices"][0]
-    text = new_choice["delta"].get("content") or ""
-    old_delta = old_choice["delta"]
-    old_delta["content"] = (old_delta.get("content") or "") + text
-    if new_choice.get("logprobs"):
-        if old_choice.get("logprobs"):
-            old_choice["logprobs"]["content"].extend(new_choice["logprobs"]["content"])
-        else:
-            old_choice["logprobs"] = new_choice["logprobs"]
-    old_choice["finish_reason"] = new_choice.get("finish_reason") or old_choice["finish_reason"]
-    return len(text)
+    """Append `new`'s text and logprobs to `into`, choice by choice (index); returns the
+    characters added."""
+    added = 0
+    for new_choice in new.get("choices", []):
+        old_choice = next((c for c in into.setdefault("choices", [])
+                           if c["index"] == new_choice["index"]), None)
+        if old_choice is None:
+            into["choices"].append(new_choice)
+            added += len(new_choice["delta"].get("content") or "")
+            continue
+        text = new_choice["delta"].get("content") or ""
+        old_delta = old_choice["delta"]
+        old_delta["content"] = (old_delta.get("content") or "") + text
+        if new_choice.get("logprobs"):
+            if old_choice.get("logprobs"):
+                old_choice["logprobs"]["content"].extend(new_choice["logprobs"]["content"])
+            else:
+                old_choice["logprobs"] = new_choice["logprobs"]
+        old_choice["finish_reason"] = (new_choice.get("finish_reason")
+                                       or old_choice["finish_reason"])
+        added += len(text)
+    if "timeline" in new:
+        into["timeline"] = new["timeline"]
+    return added
 
 
 class WebSocketEndpoint:
@@ -299,6 +306,7 @@ class Session:
         status = "cancelled" if gen.finish_reason == FINISH_ABORT else "completed"
         self.push({"type": "generation.done", "id": gen_id, "status": status,
                    "finish_reason": gen.finish_reason,
+                   "finish_reasons": list(gen.choice_finish_reasons),
                    "usage": msgspec.to_builtins(usage_of(gen)),
                    "timeline": msgspec.to_builtins(timeline_of(gen))})
 

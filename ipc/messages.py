@@ -35,6 +35,7 @@ class AddRequest(_Msg, tag="add"):
 
 class AbortRequests(_Msg, tag="abort"):
     request_ids: list[str]
+    index: int | None = None  # only this choice of each (n > 1: it matched a stop string)
 
 
 class Shutdown(_Msg, tag="shutdown"):

@@ -137,3 +137,39 @@ class StopMatcher:
                     longest = n
                     break
         return longest
+
+
+class ChoiceText:
+    """One choice's output tokens to the text its client sees; `LLM.generate` and the gateway
+    both use it, so the two front ends give the same text for the same tokens.
+
+    Detokenizes incrementally, holds back and cuts stop strings, and drops the text of the
+    stop token that ended the choice (`stop_token_ids`) unless `include_stop_str_in_output`,
+    as vLLM does.
+    """
+
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True,
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self._stops = StopMatcher(stop, include_stop_str_in_output)
+        self._include_stop = include_stop_str_in_output
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the choice, if one did."""
+        return self._stops.matched
+
+    def add(self, token_ids: Sequence[int], finished: bool = False,
+            stop_token: bool = False) -> tuple[str, bool]:
+        """Consume one delta's tokens (`stop_token`: its last one is the stop token that
+        ended it); returns the text safe to show now and whether a stop string matched
+        (nothing follows it then)."""
+        if stop_token and not self._include_stop:
+            token_ids = token_ids[:-1]
+        text = self._detok.add(token_ids)
+        if finished:
+            text += self._detok.flush()
+        safe, stopped = self._stops.push(text)
+        if not stopped and finished:
+            safe += self._stops.flush()
+        return safe, stopped

@@ -27,6 +27,7 @@ class FakeStream:
         self.request_id = msg.request_id
         self.queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self.done = False
+        self._open = msg.sampling.num_choices
         self._engine = engine
 
     def __aiter__(self) -> FakeStream:
@@ -36,7 +37,9 @@ class FakeStream:
         if self.done:
             raise StopAsyncIteration
         delta = await self.queue.get()
-        self.done = delta.finished
+        if delta.finished:
+            self._open = 0 if delta.finish_reason in ("abort", "error") else self._open - 1
+        self.done = self._open == 0
         return delta
 
     async def aclose(self) -> None:
@@ -69,6 +72,7 @@ class FakeEngine:
         self.stats: EngineStats | None = EngineStats(kv_blocks_total=64, kv_blocks_free=64)
         self.submitted: list[AddRequest] = []
         self.aborted: list[str] = []
+        self.aborted_choices: list[tuple[str, int]] = []
         self.streams: dict[str, FakeStream] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -96,6 +100,9 @@ class FakeEngine:
                 TokenDelta(request_id=request_id, finish_reason="abort"))
         self._update_stats()
 
+    def abort_choice(self, request_id: str, index: int) -> None:
+        self.aborted_choices.append((request_id, index))
+
     def kill(self) -> None:
         """The engine dies: every stream gets an error delta, and it is not ready."""
         self.ready = False
@@ -113,6 +120,7 @@ class FakeEngine:
     async def _feed(self, msg: AddRequest, stream: FakeStream) -> None:
         limit = msg.sampling.max_tokens or len(self.reply_ids)
         ids = self.reply_ids[:limit]
+        choices = msg.sampling.num_choices
         await asyncio.sleep(self.first_delay)
         for i, token in enumerate(ids):
             await asyncio.sleep(self.interval)
@@ -125,12 +133,14 @@ class FakeEngine:
             now = time.time()
             if i == 0:
                 scheduled, first = now - self.interval, now
-            stream.queue.put_nowait(TokenDelta(
-                request_id=msg.request_id, new_token_ids=[token], finish_reason=reason,
-                logprobs=lp, num_prompt_tokens=len(msg.prompt_token_ids),
-                scheduled_time=scheduled if i == 0 else None,
-                metrics=RequestMetrics(scheduled_time=scheduled, first_token_time=first,
-                                       finished_time=now, **FAKE_COUNTS) if last else None))
+            for index in range(choices):  # NOTE: every choice says the same reply
+                total = -(i + 1) * (index + 1) if msg.sampling.best_of else None
+                stream.queue.put_nowait(TokenDelta(
+                    request_id=msg.request_id, new_token_ids=[token], finish_reason=reason,
+                    logprobs=lp, num_prompt_tokens=len(msg.prompt_token_ids), index=index,
+                    cumulative_logprob=total, scheduled_time=scheduled if i == 0 else None,
+                    metrics=RequestMetrics(scheduled_time=scheduled, first_token_time=first,
+                                           finished_time=now, **FAKE_COUNTS) if last else None))
         self._tasks.pop(msg.request_id, None)
         self._update_stats()
 

@@ -251,7 +251,7 @@ BAD_INPUTS = [
     ("huge int", json.dumps({**CHAT, "max_tokens": 10**30}).encode(), 400, "invalid_value"),
     ("temperature < 0", json.dumps({**CHAT, "temperature": -1}).encode(), 400, "invalid_value"),
     ("top_p > 1", json.dumps({**CHAT, "top_p": 2}).encode(), 400, "invalid_value"),
-    ("n=2", json.dumps({**CHAT, "n": 2}).encode(), 400, "unsupported_value"),
+    ("n=65", json.dumps({**CHAT, "n": 65}).encode(), 400, "invalid_value"),
     ("missing messages", b'{"model": "test-model"}', 400, "missing_required_parameter"),
     ("empty messages", b'{"messages": []}', 400, "invalid_value"),
     ("wrong type", json.dumps({**CHAT, "stream": "yes"}).encode(), 400, "invalid_value"),
@@ -318,3 +318,53 @@ async def test_logprobs_limit_is_the_engines(fake_engine: FakeEngine) -> None:
             **CHAT, "logprobs": True, "top_logprobs": 31, "max_tokens": 1})
         assert too_many.status_code == 400
         assert too_many.json()["error"]["param"] == "top_logprobs"
+
+
+async def test_n_choices_json_and_sse(fake_engine: FakeEngine) -> None:
+    async with serve(_app(fake_engine)) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        reply = await client.chat.completions.create(model="test-model",
+                                                     messages=CHAT["messages"], n=3)
+        assert [c.index for c in reply.choices] == [0, 1, 2]
+        assert all(c.message.content == REPLY for c in reply.choices)
+        tokens = len(fake_engine.reply_ids)
+        assert reply.usage.completion_tokens == 3 * tokens
+        assert reply.usage.prompt_tokens == reply.usage.total_tokens - 3 * tokens
+        stream = await client.completions.create(model="test-model", prompt="x", n=3,
+                                                 stream=True, max_tokens=4,
+                                                 stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        texts = {i: "".join(c.choices[0].text for c in chunks
+                            if c.choices and c.choices[0].index == i) for i in range(3)}
+        assert set(texts.values()) == {fake_engine.tokenizer.decode(fake_engine.reply_ids[:4])}
+        finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert sorted(finishes) == [0, 1, 2]
+        assert chunks[-1].usage.completion_tokens == 12
+
+
+async def test_best_of_keeps_the_most_likely(fake_engine: FakeEngine) -> None:
+    async with serve(_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        # the fake's choice i has cumulative logprob -(tokens) * (i + 1): 0 and 1 are best
+        reply = (await http.post("/v1/completions", json={
+            "prompt": "x", "n": 2, "best_of": 4, "max_tokens": 3})).json()
+        assert [c["index"] for c in reply["choices"]] == [0, 1]
+        assert fake_engine.submitted[-1].sampling.best_of == 4
+        streamed = await http.post("/v1/completions", json={
+            "prompt": "x", "n": 2, "best_of": 4, "stream": True})
+        assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "best_of"
+        beam = await http.post("/v1/completions", json={
+            "prompt": "x", "n": 2, "use_beam_search": True, "length_penalty": 0.5,
+            "temperature": 0, "max_tokens": 2})
+        assert beam.status_code == 200
+        sampling = fake_engine.submitted[-1].sampling
+        assert sampling.use_beam_search and sampling.length_penalty == 0.5 and sampling.n == 2
+
+
+async def test_stop_string_on_one_choice_aborts_only_it(fake_engine: FakeEngine) -> None:
+    async with serve(_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        reply = (await http.post("/v1/chat/completions", json={
+            **CHAT, "n": 2, "stop": [" how"]})).json()
+    assert [c["message"]["content"] for c in reply["choices"]] == ["Hello there,"] * 2
+    assert [c["finish_reason"] for c in reply["choices"]] == ["stop", "stop"]
+    rid = reply["id"]
+    assert (rid, 0) in fake_engine.aborted_choices and rid in fake_engine.aborted

@@ -200,3 +200,38 @@ async def test_generate_generate_cancel_back_to_back(fake_engine: FakeEngine) ->
     assert _counted(gw, "abort") == 3 and _counted(gw, "stop") == 3
     started_b = [m.request_id for m in fake_engine.submitted][1::2]
     assert set(started_b) <= set(fake_engine.aborted)
+
+
+async def test_n_choices_over_the_websocket(fake_engine: FakeEngine) -> None:
+    app = build_app(fake_engine, GatewaySettings())
+    async with serve(app) as url, websockets.connect(
+        _ws_url(url), subprotocols=["pagedserve.v1"]
+    ) as ws:
+        await _recv(ws)
+        await ws.send(json.dumps({"type": "generate", "id": "g",
+                                  "request": {**REQUEST, "n": 2}}))
+        frames = await _until_done(ws, {"g"})
+    texts: dict[int, str] = {0: "", 1: ""}
+    for f in frames:
+        if f["type"] == "generation.delta":
+            for choice in f["chunk"]["choices"]:
+                texts[choice["index"]] += choice["delta"].get("content", "")
+    assert texts == {0: "Hello there, how are you today?", 1: "Hello there, how are you today?"}
+    done = frames[-1]
+    assert done["finish_reasons"] == ["stop", "stop"] and done["finish_reason"] == "stop"
+    assert done["usage"]["completion_tokens"] == 2 * len(fake_engine.reply_ids)
+
+
+def test_outbox_merges_choices_by_index() -> None:
+    box = Outbox(8)
+
+    def delta(index: int, text: str) -> dict:
+        return {"type": "generation.delta", "id": "g", "chunk": {"choices": [
+            {"index": index, "delta": {"content": text}, "logprobs": None,
+             "finish_reason": None}]}}
+
+    for frame in (delta(0, "a"), delta(1, "b"), delta(0, "c")):
+        box.push(frame)
+    assert len(box) == 1
+    merged = box._frames[0]["chunk"]["choices"]
+    assert [(c["index"], c["delta"]["content"]) for c in merged] == [(0, "ac"), (1, "b")]

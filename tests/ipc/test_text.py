@@ -156,3 +156,23 @@ def test_no_stops_passes_through() -> None:
 def test_empty_stop_rejected() -> None:
     with pytest.raises(ValueError):
         StopMatcher(["ok", ""])
+
+
+class _CharTokenizer:
+    """Token id i is chr(i): an independent, exact decoder for these tests."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def test_choice_text_drops_the_stop_tokens_text_unless_asked() -> None:
+    from ipc.text import ChoiceText
+
+    ids = [ord(c) for c in "ab!"]
+    assert ChoiceText(_CharTokenizer()).add(ids, True, True) == ("ab", False)
+    assert ChoiceText(_CharTokenizer(), include_stop_str_in_output=True).add(
+        ids, True, True) == ("ab!", False)
+    assert ChoiceText(_CharTokenizer()).add(ids, True, False) == ("ab!", False)
+    text = ChoiceText(_CharTokenizer(), stop=["b!"])
+    assert text.add(ids[:2]) == ("a", False)  # "b" may start the stop string: held back
+    assert text.add(ids[2:]) == ("", True) and text.matched == "b!"
