@@ -198,6 +198,8 @@ class EngineCore:
             raise ValueError(f"logprobs must be <= {self.config.max_logprobs}")
         if any(t >= vocab for t in s.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < {vocab}")
+        if any(t >= vocab for t, _ in s.logit_bias):
+            raise ValueError(f"logit_bias token ids must be < {vocab}")
         choices = [
             Request(msg.request_id, list(prompt), s, max_tokens, msg.priority,
                     msg.arrival_time or time.time(), self._generator(s.seed, i),

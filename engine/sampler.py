@@ -38,6 +38,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: [len(requests), vocab] float32 -> one token per request."""
         raw = logits
+        logits = self._apply_logit_bias(logits, requests)
         logits = self._apply_penalties(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
         token_ids = self._sample(logits, requests)
@@ -66,6 +67,16 @@ class Sampler:
                 row = torch.where(seen, penalized, row)
             row = row - s.frequency_penalty * counts - s.presence_penalty * (counts > 0)
             logits[i] = row
+        return logits
+
+    def _apply_logit_bias(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests) if r.sampling.logit_bias]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            ids, biases = zip(*requests[i].sampling.logit_bias, strict=True)
+            logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
         return logits
 
     def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -454,6 +454,7 @@ class Scheduler:
 def _can_speculate(req: Request) -> bool:
     s = req.sampling
     return (s.n == 1 and not s.best_of and not s.use_beam_search and s.logprobs is None
+            and not s.logit_bias
             and not (s.repetition_penalty != 1.0 or s.presence_penalty or s.frequency_penalty)
             and req.num_output_tokens >= s.min_tokens and req.num_output_tokens > 0)
 

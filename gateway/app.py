@@ -20,17 +20,23 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from gateway.auth import ApiKeyMiddleware
-from gateway.chunks import Accumulator, ChunkBuilder
+from gateway.chunks import Accumulator, ChunkBuilder, response_of, usage_chunk
 from gateway.errors import ApiError
-from gateway.generation import EngineClientLike, Generation
+from gateway.generation import EngineClientLike, Generation, merged
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document, package_version
 from gateway.protocol import (
     AnyRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    decode_body,
     decode_request,
 )
 from gateway.service import Gateway, GatewaySettings
@@ -67,14 +73,57 @@ class Handlers:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
 
+    def _cards(self) -> list[ModelCard]:
+        gw, info = self.gw, self.gw.client.info
+        if gw.model_name is None:
+            return []
+        return [ModelCard(gw.model_name, int(time.time()),
+                          max_model_len=info.max_model_len if info else None)]
+
     async def models(self, request: Request) -> Response:
+        return _json(ModelList(self._cards()))
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        for card in self._cards():
+            if card.id == model_id:
+                return _json(card)
+        return ApiError(404, f"the model `{model_id}` does not exist", "model_not_found",
+                        "model").response()
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: the ids a prompt or conversation becomes here."""
         gw = self.gw
-        cards = []
-        if gw.model_name is not None:
-            info = gw.client.info
-            cards.append(ModelCard(gw.model_name, int(time.time()),
-                                   max_model_len=info.max_model_len if info else None))
-        return _json(ModelList(cards))
+        try:
+            body = await read_body(request, gw.settings.max_body_bytes)
+            chat = b'"messages"' in body  # NOTE: the two shapes share no tag field
+            parsed = decode_body(body, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+            gw.require_ready()
+            gw.check_model(parsed.model)
+            if isinstance(parsed, TokenizeChatRequest):
+                ids = gw.chat_prompt_ids(parsed)
+            else:
+                ids = gw.tokenizer().encode(parsed.prompt, parsed.add_special_tokens)
+        except ApiError as exc:
+            return exc.response()
+        strs = [gw.tokenizer().token_text(t) for t in ids] if parsed.return_token_strs else None
+        return _json(TokenizeResponse(len(ids), gw.client.info.max_model_len,  # type: ignore[union-attr]
+                                      ids, strs))
+
+    async def detokenize(self, request: Request) -> Response:
+        gw = self.gw
+        try:
+            body = await read_body(request, gw.settings.max_body_bytes)
+            parsed = decode_body(body, DetokenizeRequest)
+            gw.require_ready()
+            gw.check_model(parsed.model)
+            tok = gw.tokenizer()
+            if parsed.tokens and max(parsed.tokens) >= tok.vocab_size:
+                raise ApiError(400, f"token ids must be < {tok.vocab_size}", "invalid_value",
+                               "tokens")
+        except ApiError as exc:
+            return exc.response()
+        return _json(DetokenizeResponse(tok.decode(parsed.tokens, skip_special_tokens=False)))
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, ChatCompletionRequest)
@@ -83,28 +132,38 @@ class Handlers:
         return await self._generate(request, CompletionRequest)
 
     async def _generate(self, request: Request, kind: type[AnyRequest]) -> Response:
+        gens: list[Generation] = []
         try:
             body = await read_body(request, self.gw.settings.max_body_bytes)
             parsed = decode_request(body, kind)
-            job = self.gw.prepare(parsed)
-            job.trace_headers = trace_headers(request.headers)
-            gen = self.gw.start(job)
+            jobs = self.gw.prepare_all(parsed)
+            for job in jobs:
+                job.trace_headers = trace_headers(request.headers)
+                gens.append(self.gw.start(job))
         except ApiError as exc:
+            await self._close(gens)
             return exc.response()
         except ClientDisconnect:
             # Gone before its body arrived (an overloaded gateway reads late): still counted.
             self.gw.metrics.client_disconnects.inc()
             return Response(status_code=499)
-        headers = {"X-Request-Id": job.request_id}
+        job = jobs[0]
+        headers = {"X-Request-Id": job.response_id or job.request_id}
         disconnected = self.gw.metrics.client_disconnects.inc
         if parsed.stream:
-            return EventStreamResponse(self._sse(gen), disconnected, headers)
-        return DisconnectAwareResponse(lambda: self._collect(gen, headers), disconnected)
+            return EventStreamResponse(self._sse(gens), disconnected, headers)
+        return DisconnectAwareResponse(lambda: self._collect(gens, headers), disconnected)
 
-    async def _sse(self, gen: Generation) -> AsyncIterator[bytes]:
-        builder = ChunkBuilder(gen, self.gw.namer())
+    async def _close(self, gens: list[Generation]) -> None:
+        for gen in gens:
+            await gen.aclose()
+            self.gw.finished(gen)
+
+    async def _sse(self, gens: list[Generation]) -> AsyncIterator[bytes]:
+        namer = self.gw.namer()
+        builders = [ChunkBuilder(g, namer, timeline=len(gens) == 1) for g in gens]
         try:
-            async for piece in gen:
+            async for k, piece in merged(gens):
                 if piece is None:
                     yield PING
                     continue
@@ -112,31 +171,30 @@ class Handlers:
                     error = ApiError(500, piece.error or "the engine failed", "engine_error")
                     yield sse_event(error.envelope())
                     break
-                chunk = builder.chunk(piece)
+                chunk = builders[k].chunk(piece)
                 if chunk is not None:
                     yield sse_event(chunk)
             else:
-                if gen.job.include_usage:
-                    yield sse_event(builder.usage_chunk())
+                if gens[0].job.include_usage:
+                    yield sse_event(usage_chunk(gens))
             yield DONE
         finally:
-            await gen.aclose()
-            self.gw.finished(gen)
+            await self._close(gens)
 
-    async def _collect(self, gen: Generation, headers: dict[str, str]) -> Response:
-        acc = Accumulator(gen, self.gw.namer())
+    async def _collect(self, gens: list[Generation], headers: dict[str, str]) -> Response:
+        namer = self.gw.namer()
+        accs = [Accumulator(g, namer) for g in gens]
         try:
-            async for piece in gen:
+            async for k, piece in merged(gens):
                 if piece is None:
                     continue
                 if piece.finish_reason == FINISH_ERROR:
                     return ApiError(500, piece.error or "the engine failed",
                                     "engine_error").response()
-                acc.add(piece)
+                accs[k].add(piece)
         finally:
-            await gen.aclose()
-            self.gw.finished(gen)
-        return _json(acc.response(), headers)
+            await self._close(gens)
+        return _json(response_of(accs), headers)
 
     async def cancel(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
@@ -191,6 +249,9 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
     h = Handlers(gw)
     routes = [
         Route("/v1/models", h.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", h.model, methods=["GET"]),
+        Route("/tokenize", h.tokenize, methods=["POST"]),
+        Route("/detokenize", h.detokenize, methods=["POST"]),
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/requests/{request_id}/cancel", h.cancel, methods=["POST"]),

@@ -61,8 +61,11 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
 
-def usage_of(gen: Generation) -> Usage:
-    u = gen.usage
+def usage_of(*gens: Generation) -> Usage:
+    """Usage of one request, summed over its prompts (each prompt counted once, every choice's
+    tokens counted, as OpenAI bills n and best_of)."""
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
+    u = {k: sum(g.usage[k] for g in gens) for k in keys}
     return Usage(u["prompt_tokens"], u["completion_tokens"], u["total_tokens"],
                  PromptTokensDetails(u["cached_tokens"]))
 
@@ -83,14 +86,16 @@ def timeline_of(gen: Generation) -> Timeline:
 
 
 class ChunkBuilder:
-    """Builds one stream's chunks: each choice's first chat delta carries the role, its last
-    one its finish_reason; choice i of the request is `index_base + i` in the chunks (batched
-    prompts: prompt p of a request with n choices starts at p * n, as OpenAI numbers them)."""
+    """Builds one prompt's chunks: each choice's first chat delta carries the role (and the
+    echo), its last one its finish_reason; choice i is `job.index_base + i` in the chunks
+    (batched prompts: prompt p of a request with n choices starts at p * n, as OpenAI)."""
 
-    def __init__(self, gen: Generation, namer: TokenNamer, index_base: int = 0) -> None:
+    def __init__(self, gen: Generation, namer: TokenNamer, timeline: bool = True) -> None:
         self._gen = gen
         self._namer = namer
-        self._base = index_base
+        self._base = gen.job.index_base
+        self._id = gen.job.response_id or gen.job.request_id
+        self._timeline = timeline  # NOTE: False for batched prompts: a timeline is per prompt
         self._sent_role: set[int] = set()
         self._offset: dict[int, int] = {}
 
@@ -101,31 +106,33 @@ class ChunkBuilder:
         if not (piece.text or piece.finish_reason or wants_logprobs or first):
             return None
         last = piece.finish_reason is not None and self._gen.finish_reason is not None
-        timeline = timeline_of(self._gen) if last else UNSET
+        timeline = timeline_of(self._gen) if last and self._timeline else UNSET
         index = self._base + piece.index
+        text = job.echo + piece.text if first else piece.text
         if job.kind == "chat":
-            delta = Delta(content=piece.text or None)
+            delta = Delta(content=text or None)
             if first:
-                delta.role, delta.content = "assistant", piece.text
+                delta.role, delta.content = "assistant", text
                 self._sent_role.add(piece.index)
             lp = self._namer.chat(piece.logprobs) if wants_logprobs else None
             choice = ChatChunkChoice(index, delta, lp, piece.finish_reason)
-            return ChatCompletionChunk(job.request_id, job.created, job.model, [choice],
+            return ChatCompletionChunk(self._id, job.created, job.model, [choice],
                                        timeline=timeline)
         self._sent_role.add(piece.index)
-        offset = self._offset.get(piece.index, 0)
+        offset = self._offset.get(piece.index, len(job.echo))
         lp = self._namer.completion(piece.logprobs, offset) if wants_logprobs else None
         self._offset[piece.index] = offset + len(piece.text)
-        choice = CompletionChoice(index, piece.text, lp, piece.finish_reason)
-        return Completion(job.request_id, job.created, job.model, [choice], timeline=timeline)
+        choice = CompletionChoice(index, text, lp, piece.finish_reason)
+        return Completion(self._id, job.created, job.model, [choice], timeline=timeline)
 
-    def usage_chunk(self) -> Chunk:
-        job = self._gen.job
-        if job.kind == "chat":
-            return ChatCompletionChunk(
-                job.request_id, job.created, job.model, [], usage=usage_of(self._gen)
-            )
-        return Completion(job.request_id, job.created, job.model, [], usage=usage_of(self._gen))
+
+def usage_chunk(gens: list[Generation]) -> Chunk:
+    """The stream's last chunk with stream_options.include_usage: no choices, the usage."""
+    job = gens[0].job
+    rid = job.response_id or job.request_id
+    if job.kind == "chat":
+        return ChatCompletionChunk(rid, job.created, job.model, [], usage=usage_of(*gens))
+    return Completion(rid, job.created, job.model, [], usage=usage_of(*gens))
 
 
 class _Collected:
@@ -162,25 +169,31 @@ class Accumulator:
             choices.sort(key=lambda c: -(c.cumulative_logprob or 0.0))
         return choices[: s.n]
 
-    def choices(self, index_base: int = 0) -> list[ChatChoice] | list[CompletionChoice]:
+    def choices(self) -> list[ChatChoice] | list[CompletionChoice]:
         job = self._gen.job
         want = job.sampling.logprobs is not None
         out: list = []
-        for i, c in enumerate(self.kept()):
-            text = "".join(c.text)
+        for i, c in enumerate(self.kept(), start=job.index_base):
+            text = job.echo + "".join(c.text)
             if job.kind == "chat":
                 lp = self._namer.chat(c.logprobs) if want else None
-                out.append(ChatChoice(index_base + i, Message("assistant", text), lp,
-                                      c.finish_reason))
+                out.append(ChatChoice(i, Message("assistant", text), lp, c.finish_reason))
             else:
-                lp = self._namer.completion(c.logprobs, 0) if want else None
-                out.append(CompletionChoice(index_base + i, text, lp, c.finish_reason))
+                lp = self._namer.completion(c.logprobs, len(job.echo)) if want else None
+                out.append(CompletionChoice(i, text, lp, c.finish_reason))
         return out
 
-    def response(self) -> ChatCompletion | Completion:
-        job = self._gen.job
-        if job.kind == "chat":
-            return ChatCompletion(job.request_id, job.created, job.model, self.choices(),
-                                  usage_of(self._gen), timeline=timeline_of(self._gen))
-        return Completion(job.request_id, job.created, job.model, self.choices(),
-                          usage_of(self._gen), timeline=timeline_of(self._gen))
+
+def response_of(accs: list[Accumulator]) -> ChatCompletion | Completion:
+    """The JSON response of a request (of all its prompts, choices in index order)."""
+    gens = [a._gen for a in accs]
+    job = gens[0].job
+    rid = job.response_id or job.request_id
+    choices = [c for a in accs for c in a.choices()]
+    usage = usage_of(*gens)
+    if job.kind == "chat":
+        return ChatCompletion(rid, job.created, job.model, choices, usage,  # type: ignore[arg-type]
+                              timeline=timeline_of(gens[0]))
+    timeline = timeline_of(gens[0]) if len(gens) == 1 else UNSET
+    return Completion(rid, job.created, job.model, choices, usage,  # type: ignore[arg-type]
+                      timeline=timeline)

@@ -75,6 +75,9 @@ class Job:
     arrival: float = field(default_factory=time.time)
     trace_headers: dict[str, str] = field(default_factory=dict)  # traceparent of the caller
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: str = ""  # text shown before each choice's output (the request's `echo`)
+    response_id: str | None = None  # the response's id when it differs (batched prompts)
+    index_base: int = 0  # the response's index of choice 0 (batched prompts: p * n)
 
 
 @dataclass
@@ -272,3 +275,32 @@ class Generation:
         if self.first_token_time is not None:  # the same TTFT as the histogram and timeline
             fields["ttft_s"] = round(self.first_token_time - self.job.arrival, 4)
         log.info("request.finished", **fields)
+
+
+async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece | None]]:
+    """The pieces of several generations (a request's prompts) as they come: (which, piece).
+    Keep-alive ticks (None pieces) pass through for one generation only."""
+    if len(gens) == 1:
+        async for piece in gens[0]:
+            yield 0, piece
+        return
+    iters = [aiter(g) for g in gens]
+    pending = {asyncio.ensure_future(anext(it)): k for k, it in enumerate(iters)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=lambda f: pending[f]):
+                k = pending.pop(future)
+                try:
+                    piece = future.result()
+                except StopAsyncIteration:
+                    continue
+                if piece is not None:
+                    yield k, piece
+                pending[asyncio.ensure_future(anext(iters[k]))] = k
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for it in iters:
+            await it.aclose()  # type: ignore[attr-defined]

@@ -18,7 +18,13 @@ from gateway.protocol import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 
 REF = "#/components/schemas/{name}"
@@ -48,9 +54,10 @@ class Cancelled(msgspec.Struct):
     cancelled: bool
 
 
-REQUESTS = (ChatCompletionRequest, CompletionRequest)
+REQUESTS = (ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest,
+            TokenizeChatRequest, DetokenizeRequest)
 RESPONSES = (ChatCompletion, ChatCompletionChunk, Completion, ModelList, ErrorEnvelope, Health,
-             Liveness, VersionInfo, Cancelled)
+             Liveness, VersionInfo, Cancelled, ModelCard, TokenizeResponse, DetokenizeResponse)
 
 
 def _structs(tp: Any, found: dict[str, type]) -> dict[str, type]:
@@ -157,6 +164,17 @@ def _generate(refs: dict[str, Schema], operation_id: str, request: str, response
     }}
 
 
+def _post(operation_id: str, body: Schema, ok: Schema, refs: dict[str, Schema],
+          examples: dict[str, Schema]) -> Schema:
+    """vLLM's tokenizer endpoints (outside /v1, so no API key)."""
+    return {"post": {
+        "operationId": operation_id,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": body, "examples": examples}}},
+        "responses": {"200": ok, **_errors(refs, 400, 404, 413, 503)},
+    }}
+
+
 def _get(operation_id: str, responses: dict[str, Schema]) -> Schema:
     return {"get": {"operationId": operation_id, "responses": responses}}
 
@@ -175,6 +193,20 @@ def openapi_document() -> dict[str, Any]:
             "operationId": "listModels", "security": BEARER,
             "responses": {"200": _json(refs["ModelList"], "the served model"),
                           **_errors(refs, 401)}}},
+        "/v1/models/{model_id}": {"get": {
+            "operationId": "retrieveModel", "security": BEARER,
+            "parameters": [{"name": "model_id", "in": "path", "required": True,
+                            "schema": {"type": "string", "minLength": 1}}],
+            "responses": {"200": _json(refs["ModelCard"], "the model"),
+                          **_errors(refs, 401, 404)}}},
+        "/tokenize": _post("tokenize", {"anyOf": [refs["TokenizeCompletionRequest"],
+                                                  refs["TokenizeChatRequest"]]},
+                           _json(refs["TokenizeResponse"], "the prompt's token ids"), refs,
+                           {"prompt": {"value": {"prompt": "Hello world"}},
+                            "chat": {"value": {"messages": HI, "return_token_strs": True}}}),
+        "/detokenize": _post("detokenize", refs["DetokenizeRequest"],
+                             _json(refs["DetokenizeResponse"], "the ids' text"), refs,
+                             {"ids": {"value": {"tokens": [19556, 905]}}}),
         "/v1/chat/completions": _generate(refs, "createChatCompletion", "ChatCompletionRequest",
                                           "ChatCompletion", "ChatCompletionChunk", CHAT_EXAMPLES),
         "/v1/completions": _generate(refs, "createCompletion", "CompletionRequest", "Completion",

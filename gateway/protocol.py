@@ -6,12 +6,13 @@ Unknown request fields are ignored, as OpenAI's SDKs send fields a server may no
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from gateway.errors import ApiError
+from gateway.refused import check_refused
 from ipc.sampling import SamplingParams
 
 Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
@@ -52,7 +53,13 @@ class _Common(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
+    # accepted, and change nothing here (gateway/refused.py lists the refused fields)
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM extras
     top_k: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] | None = None
     min_p: float | None = None
@@ -66,6 +73,8 @@ class _Common(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     cache_salt: Annotated[str, msgspec.Meta(max_length=256)] | None = None
     use_beam_search: bool = False  # beam search of width n (outputs arrive when it ends)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
+    echo: bool = False  # completions: the prompt first; chat: the last message, if assistant's
     length_penalty: float = 1.0  # with use_beam_search: scores divided by length ** this
 
     @property
@@ -86,6 +95,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
     logprobs: bool = False
     top_logprobs: NonNegInt | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last message
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
 
     @property
     def num_logprobs(self) -> int | None:
@@ -99,7 +110,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: str | list[str | TokenId]  # a text, a list of token ids, or a list of one text
+    # a text, a list of texts, a list of token ids, or a list of token-id lists
+    # NOTE: msgspec takes one array type per union; check_request refuses mixed lists
+    prompt: str | list[str | TokenId | list[TokenId]]
     max_tokens: PosInt | None = 16
     logprobs: NonNegInt | None = None
     best_of: PosInt | None = None  # sample this many, return the n of highest logprob
@@ -112,16 +125,35 @@ class CompletionRequest(_Common, kw_only=True):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request (choices of prompt p are numbered from p * n)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(t, int) for t in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return [q for q in p if not isinstance(q, int)]  # type: ignore[misc]
+
 
 AnyRequest = ChatCompletionRequest | CompletionRequest
+MAX_PROMPTS = 64  # prompts in one completions request
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
 def decode_request(body: bytes, kind: type[AnyRequest]) -> AnyRequest:
-    """Parse and type-check a request body; every failure is a 400 ApiError."""
+    """Parse and type-check a generation request; every failure is a 400 ApiError."""
+    request = decode_body(body, kind)
+    check_refused(body)
+    check_request(request)
+    return request
+
+
+def decode_body(body: bytes, kind: Any) -> Any:
+    """Parse and type-check a body as `kind`; every failure is a 400 ApiError."""
     try:
-        request = msgspec.json.decode(body, type=kind)
+        return msgspec.json.decode(body, type=kind)
     except RecursionError:
         raise ApiError(400, "JSON is nested too deeply", "invalid_json") from None
     except msgspec.ValidationError as exc:
@@ -138,8 +170,6 @@ def decode_request(body: bytes, kind: type[AnyRequest]) -> AnyRequest:
         raise ApiError(400, message, code, param) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"invalid JSON body: {exc}", "invalid_json") from None
-    check_request(request)
-    return request
 
 
 def check_request(request: AnyRequest) -> None:
@@ -152,13 +182,21 @@ def check_request(request: AnyRequest) -> None:
             raise ApiError(400, "messages must not be empty", "invalid_value", "messages")
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "invalid_value", "top_logprobs")
-    elif not isinstance(request.prompt, str):
-        texts = [p for p in request.prompt if isinstance(p, str)]
-        if not request.prompt or (texts and len(request.prompt) != 1):
-            raise ApiError(
-                400, "prompt must be a string, one list of token ids or a list of one string "
-                "(batched prompts are not supported)", "invalid_value", "prompt",
-            )
+        if request.continue_final_message and request.add_generation_prompt:
+            raise ApiError(400, "continue_final_message needs add_generation_prompt=false",
+                           "invalid_value", "continue_final_message")
+    else:
+        p = request.prompt
+        kinds = {type(q) for q in p} if isinstance(p, list) else {str}
+        if len(kinds) > 1:
+            raise ApiError(400, "prompt must be a text, a list of texts, a list of token ids or "
+                           "a list of token-id lists (not a mix)", "invalid_value", "prompt")
+        prompts = request.prompts
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ApiError(400, "prompt must not be empty", "invalid_value", "prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request", "invalid_value",
+                           "prompt")
 
 
 def to_sampling(request: AnyRequest, max_tokens: int, max_logprobs: int) -> SamplingParams:
@@ -191,11 +229,24 @@ def to_sampling(request: AnyRequest, max_tokens: int, max_logprobs: int) -> Samp
             best_of=getattr(request, "best_of", None),
             use_beam_search=request.use_beam_search,
             length_penalty=request.length_penalty,
+            logit_bias=_logit_bias(request.logit_bias),
             **{k: v for k, v in given.items() if v is not None},
         )
     except ValueError as exc:
         param = str(exc).split(" ", 1)[0]
         raise ApiError(400, str(exc), "invalid_value", param) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    out = []
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise ApiError(400, f"logit_bias keys are token ids; got `{key}`", "invalid_value",
+                           "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -320,6 +371,42 @@ class ModelCard(msgspec.Struct):
     owned_by: str = "pagedserve"
     max_model_len: int | None = None
     object: Literal["model"] = "model"
+
+
+class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize with a prompt."""
+
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = False  # NOTE: as /v1/completions encodes prompts here
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize with messages (rendered as /v1/chat/completions renders them)."""
+
+    messages: list[ChatMessage]
+    model: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
 
 
 class ModelList(msgspec.Struct):

@@ -112,11 +112,25 @@ class Gateway:
             raise ApiError(404, f"the model `{model}` does not exist", "model_not_found", "model")
         return served
 
-    def prepare(self, request: AnyRequest) -> Job:
+    def prepare_all(self, request: AnyRequest) -> list[Job]:
+        """One Job per prompt: several for a completions request with a list of prompts
+        (engine request ids `<id>-<p>`, choices numbered from p * n)."""
+        if isinstance(request, ChatCompletionRequest) or len(request.prompts) == 1:
+            return [self.prepare(request)]
+        base = request.request_id or f"cmpl-{uuid.uuid4().hex}"
+        jobs = []
+        for p in range(len(request.prompts)):
+            job = self.prepare(request, p, f"{base}-{p}")
+            job.response_id, job.index_base = base, p * request.n
+            jobs.append(job)
+        return jobs
+
+    def prepare(self, request: AnyRequest, prompt_index: int = 0,
+                request_id: str | None = None) -> Job:
         """Validate against the engine, tokenize, and build the Job (raises ApiError)."""
         self.require_ready()
         model = self.check_model(request.model)
-        prompt_ids = self._prompt_ids(request)
+        prompt_ids = self._prompt_ids(request, prompt_index)
         max_model_len = self.client.info.max_model_len  # type: ignore[union-attr]
         max_tokens = request.requested_max_tokens
         if len(prompt_ids) + (max_tokens or 1) > max_model_len:
@@ -131,7 +145,7 @@ class Gateway:
         # NOTE: the engine's --max-logprobs, reported in its handshake: one limit, not two
         sampling = to_sampling(request, max_tokens, self.client.info.max_logprobs)  # type: ignore[union-attr]
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
-        request_id = request.request_id or f"{prefix}-{uuid.uuid4().hex}"
+        request_id = request_id or request.request_id or f"{prefix}-{uuid.uuid4().hex}"
         if request_id in self.generations:
             raise ApiError(400, f"request_id `{request_id}` is in use", "duplicate_request_id",
                            "request_id")
@@ -144,6 +158,7 @@ class Gateway:
             priority=request.priority,
             include_usage=request.include_usage,
             cache_salt=request.cache_salt,
+            echo=self._echo_text(request, prompt_index),
         )
 
     def start(self, job: Job) -> Generation:
@@ -188,19 +203,31 @@ class Gateway:
         for request_id in list(self.generations):
             self.client.abort(request_id)
 
-    def _prompt_ids(self, request: AnyRequest) -> list[int]:
+    def chat_prompt_ids(self, request: Any) -> list[int]:
+        """The token ids of a conversation (chat completions and /tokenize)."""
+        messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
+        return self.tokenizer().apply_chat_template(
+            messages, request.add_generation_prompt, request.continue_final_message,
+            request.chat_template_kwargs)
+
+    def _echo_text(self, request: AnyRequest, prompt_index: int) -> str:
+        """What `echo` puts before the output: the prompt (completions), or the last message
+        when the reply continues the assistant's turn (chat, as vLLM)."""
+        if not request.echo:
+            return ""
+        if isinstance(request, CompletionRequest):
+            prompt = request.prompts[prompt_index]
+            return prompt if isinstance(prompt, str) else self.tokenizer().decode(prompt)
+        last = _message_dict(len(request.messages) - 1, request.messages[-1])
+        return last["content"] if last["role"] == "assistant" else ""
+
+    def _prompt_ids(self, request: AnyRequest, prompt_index: int = 0) -> list[int]:
         tok = self.tokenizer()
         if isinstance(request, CompletionRequest):
-            prompt = request.prompt
-            if isinstance(prompt, str):
-                ids = tok.encode(prompt)
-            elif isinstance(prompt[0], str):
-                ids = tok.encode(prompt[0])  # type: ignore[arg-type]
-            else:
-                ids = list(prompt)  # type: ignore[arg-type]
+            prompt = request.prompts[prompt_index]
+            ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
         else:
-            messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
-            ids = tok.apply_chat_template(messages, request.add_generation_prompt)
+            ids = self.chat_prompt_ids(request)
         if not ids:
             raise ApiError(400, "the prompt is empty", "invalid_value", "prompt")
         if max(ids) >= tok.vocab_size:

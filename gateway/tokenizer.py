@@ -77,27 +77,43 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
     ) -> str:
+        """The rendered conversation. `continue_final_message`: end the text right after the
+        last message's content (no end-of-turn), so the model continues that message;
+        `template_kwargs` are extra variables for the template (vLLM's chat_template_kwargs)."""
         if self._template is None:
             raise ApiError(
                 400, "this model's tokenizer has no chat template; use /v1/completions",
                 "chat_template_missing", "messages",
             )
         try:
-            return self._template.render(
+            text = self._template.render(
+                **(template_kwargs or {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )
         except jinja2.TemplateError as exc:
             raise TemplateError(str(exc)) from None
+        if not continue_final_message:
+            return text
+        final = str(messages[-1].get("content") or "").strip() if messages else ""
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise ApiError(400, "continue_final_message needs a final message with content "
+                           "that the template writes out", "invalid_value",
+                           "continue_final_message")
+        return text[: end + len(final)]
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation (the template writes its own special tokens)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt,
+                                            continue_final_message, template_kwargs))
 
 
 def _template_source(directory: Path, config: dict[str, Any]) -> str | None:

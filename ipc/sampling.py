@@ -30,6 +30,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     best_of: int | None = None  # sample this many choices, return the n most likely
     use_beam_search: bool = False  # beam search of width n; outputs arrive when it ends
     length_penalty: float = 1.0  # beam scores are divided by length ** length_penalty
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
@@ -60,6 +62,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             self.best_of is None or self.n <= self.best_of <= 64, "best_of", "must be in [n, 64]"
         )
         _check(_finite(self.length_penalty), "length_penalty", "must be finite")
+        _check(all(t >= 0 and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+               "logit_bias", "needs token ids >= 0 and biases in [-100, 100]")
         if self.use_beam_search:
             _check(self.best_of is None, "best_of", "cannot be combined with use_beam_search")
             _check(self.logprobs is None, "logprobs", "is not supported with use_beam_search")

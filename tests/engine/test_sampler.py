@@ -104,3 +104,13 @@ def test_logprobs_of_sampled_and_top_tokens():
     assert abs(pos.logprob - float(lp[1])) < 1e-6
     assert [t.token_id for t in pos.top] == [1, 2]
     assert sampler(logits, [req(SamplingParams(temperature=0))]).logprobs == [None]
+
+
+def test_logit_bias_is_added_before_sampling():
+    sampler = Sampler([], seed=0, device=torch.device("cpu"))
+    # token 0 is the greedy one; -100 bans it, +100 on token 7 makes 7 certain
+    banned = req(SamplingParams(temperature=0, logit_bias=((0, -100.0),)))
+    boosted = req(SamplingParams(temperature=1.0, logit_bias=((7, 100.0),)))
+    plain = req(SamplingParams(temperature=0))
+    out = sampler(fixed_logits(3), [banned, boosted, plain])
+    assert out.token_ids == [1, 7, 0]

@@ -234,7 +234,7 @@ async def test_metrics_names(fake_engine: FakeEngine) -> None:
 
 
 def _nested(depth: int) -> bytes:
-    return b'{"model": "test-model", "metadata": ' + b"[" * depth + b"]" * depth + b"}"
+    return b'{"model": "test-model", "unknown_field": ' + b"[" * depth + b"]" * depth + b"}"
 
 
 BAD_INPUTS = [
@@ -368,3 +368,91 @@ async def test_stop_string_on_one_choice_aborts_only_it(fake_engine: FakeEngine)
     assert [c["finish_reason"] for c in reply["choices"]] == ["stop", "stop"]
     rid = reply["id"]
     assert (rid, 0) in fake_engine.aborted_choices and rid in fake_engine.aborted
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("tool_choice", "auto"), ("parallel_tool_calls", True), ("suffix", "end"),
+    ("structured_outputs", {"json": {}}), ("guided_json", {"type": "object"}),
+    ("guided_regex", "a+"), ("guided_choice", ["a", "b"])])
+async def test_unimplemented_fields_are_refused(fake_engine: FakeEngine, field: str,
+                                                value: object) -> None:
+    from gateway.refused import REFUSED_FIELDS
+
+    assert field in REFUSED_FIELDS
+    async with serve(_app(fake_engine)) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(model="test-model", messages=CHAT["messages"],
+                                                 extra_body={field: value})
+        assert err.value.body["param"] == field and field in err.value.body["message"]
+        if field.startswith("guided_"):
+            assert "structured_outputs" in err.value.body["message"]
+    assert fake_engine.submitted == []
+
+
+async def test_no_op_fields_are_accepted(fake_engine: FakeEngine) -> None:
+    async with serve(_app(fake_engine)) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        reply = await client.chat.completions.create(
+            model="test-model", messages=CHAT["messages"], user="u", metadata={"k": "v"},
+            store=False, service_tier="auto", extra_body={"tools": [], "response_format": None})
+        assert reply.choices[0].message.content == REPLY
+
+
+async def test_tokenize_and_detokenize(fake_engine: FakeEngine) -> None:
+    tok = fake_engine.tokenizer
+    async with serve(_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        out = (await http.post("/tokenize", json={"prompt": "Hello world",
+                                                 "return_token_strs": True})).json()
+        assert out["tokens"] == tok.encode("Hello world") and out["count"] == len(out["tokens"])
+        assert out["max_model_len"] == 256 and "".join(out["token_strs"]) == "Hello world"
+        chat = (await http.post("/tokenize", json={
+            "messages": CHAT["messages"], "add_generation_prompt": False})).json()
+        assert chat["tokens"] == tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], False)
+        back = (await http.post("/detokenize", json={"tokens": out["tokens"]})).json()
+        assert back == {"prompt": "Hello world"}
+        bad = await http.post("/detokenize", json={"tokens": [10**9]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        missing = await http.post("/tokenize", json={"prompt": "x", "model": "other"})
+        assert missing.status_code == 404
+
+
+async def test_batched_prompts_and_echo(fake_engine: FakeEngine) -> None:
+    tok = fake_engine.tokenizer
+    three = tok.decode(fake_engine.reply_ids[:3])
+    async with serve(_app(fake_engine)) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        reply = await client.completions.create(model="test-model", prompt=["A", "B"], n=2,
+                                                max_tokens=3, echo=True)
+        assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+        assert [c.text for c in reply.choices] == ["A" + three] * 2 + ["B" + three] * 2
+        assert reply.usage.completion_tokens == 12
+        ids = [tok.encode("A"), tok.encode("B")]
+        stream = await client.completions.create(model="test-model", prompt=ids, max_tokens=3,
+                                                 stream=True)
+        chunks = [c async for c in stream]
+        texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i)
+                 for i in range(2)]
+        assert texts == [three, three]
+        assert len({c.id for c in chunks}) == 1
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(model="test-model", prompt=["A", [1, 2]])
+    prompts = [m.prompt_token_ids for m in fake_engine.submitted]
+    assert prompts == [ids[0]] * 1 + [ids[1]] + ids
+
+
+async def test_chat_extras(fake_engine: FakeEngine) -> None:
+    tok = fake_engine.tokenizer
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}]
+    async with serve(_app(fake_engine)) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        reply = await client.chat.completions.create(
+            model="test-model", messages=messages, max_tokens=2,
+            extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                        "echo": True, "chat_template_kwargs": {"unused_flag": True}})
+    full = tok.render_chat(messages, False)
+    cut = full[: full.rindex("Sure,") + len("Sure,")]
+    assert fake_engine.submitted[-1].prompt_token_ids == tok.encode(cut)
+    assert reply.choices[0].message.content == "Sure," + tok.decode(fake_engine.reply_ids[:2])

@@ -1,0 +1,56 @@
+"""Request fields that would change generation but are not implemented: a 400 naming the
+field, never a silent ignore. Edit `REFUSED_FIELDS` when one becomes supported.
+
+Fields that change nothing here (`user`, `metadata`, `store`, ...) are accepted: see
+`gateway.protocol._Common`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from gateway.errors import ApiError
+
+_STRUCTURED = "is not supported; structured outputs (`structured_outputs`) are not available"
+_GUIDED = ("was removed in vLLM; its replacement `structured_outputs` is not available here "
+           "either")
+
+# field name -> why it is refused (the message says "`<field>` <why>")
+REFUSED_FIELDS: dict[str, str] = {
+    "response_format": _STRUCTURED,
+    "structured_outputs": "is not supported: constrained decoding is not available",
+    "tools": "is not supported: tool calling is not available",
+    "tool_choice": "is not supported: tool calling is not available",
+    "parallel_tool_calls": "is not supported: tool calling is not available",
+    "functions": "is not supported: function calling is not available",
+    "function_call": "is not supported: function calling is not available",
+    "suffix": "is not supported (insertion needs a fill-in-the-middle model)",
+    "guided_json": _GUIDED,
+    "guided_regex": _GUIDED,
+    "guided_choice": _GUIDED,
+    "guided_grammar": _GUIDED,
+    "guided_decoding_backend": _GUIDED,
+    "guided_whitespace_pattern": _GUIDED,
+    "prediction": "is not supported (predicted outputs)",
+    "audio": "is not supported: the model has no audio output",
+    "modalities": "is not supported: text is the only modality",
+    "bad_words": "is not supported",
+    "allowed_token_ids": "is not supported",
+    "truncate_prompt_tokens": "is not supported: prompts are never truncated",
+    "prompt_embeds": "is not supported",
+}
+
+# NOTE: values that ask for nothing (clients often send them as defaults) are not refused
+_EMPTY = (b"null", b"[]", b"{}", b'""', b"false")
+
+_Refused = msgspec.defstruct(
+    "_Refused", [(name, msgspec.Raw, msgspec.Raw(b"null")) for name in REFUSED_FIELDS])
+_decoder = msgspec.json.Decoder(_Refused)
+
+
+def check_refused(body: bytes) -> None:
+    """Raise a 400 for the first refused field the (already valid JSON object) body sets."""
+    fields = _decoder.decode(body)
+    for name, why in REFUSED_FIELDS.items():
+        if bytes(getattr(fields, name)).strip() not in _EMPTY:
+            raise ApiError(400, f"`{name}` {why}", "unsupported_parameter", name)
