@@ -196,6 +196,8 @@ class EngineCore:
             )
         if s.logprobs is not None and s.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs must be <= {self.config.max_logprobs}")
+        if s.prompt_logprobs is not None and s.prompt_logprobs > self.config.max_logprobs:
+            raise ValueError(f"prompt_logprobs must be <= {self.config.max_logprobs}")
         if any(t >= vocab for t in s.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < {vocab}")
         if any(t >= vocab for t, _ in s.logit_bias):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine.core import EngineCore
 from engine.tokenizer import load_tokenizer
 from ipc.config import EngineConfig
-from ipc.messages import FINISH_STOP, AddRequest, RequestMetrics, TokenDelta
+from ipc.messages import FINISH_STOP, AddRequest, PositionLogprobs, RequestMetrics, TokenDelta
 from ipc.sampling import SamplingParams
 from ipc.text import ChoiceText
 
@@ -41,6 +41,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # with SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} with the token
+    # and its top alternatives; None for the first token (nothing precedes it)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:
@@ -172,14 +175,13 @@ class _Choice:
         """Consume a delta; True when the choice is finished."""
         out = self.choice
         self.output.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.output.prompt_logprobs = [None] + [_as_dict(p) for p in delta.prompt_logprobs]
         tokens = delta.new_token_ids
         out.token_ids.extend(tokens)
         out.cumulative_logprob = delta.cumulative_logprob
         if delta.logprobs is not None and out.logprobs is not None:
-            out.logprobs.extend(
-                {p.token_id: p.logprob, **{t.token_id: t.logprob for t in p.top}}
-                for p in delta.logprobs
-            )
+            out.logprobs.extend(_as_dict(p) for p in delta.logprobs)
         emitted, stopped = self.text.add(tokens, delta.finished, delta.stop_reason is not None)
         out.text += emitted
         if stopped:
@@ -190,6 +192,10 @@ class _Choice:
             out.metrics = delta.metrics
             return True
         return False
+
+
+def _as_dict(p: PositionLogprobs) -> dict[int, float]:
+    return {p.token_id: p.logprob, **{t.token_id: t.logprob for t in p.top}}
 
 
 def _prompt_ids(prompt: Prompt, tokenizer) -> tuple[str | None, list[int]]:

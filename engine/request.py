@@ -8,7 +8,13 @@ import time
 
 import torch
 
-from ipc.messages import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+from ipc.messages import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    PositionLogprobs,
+)
 from ipc.sampling import SamplingParams
 
 
@@ -78,6 +84,11 @@ class Request:
         self.spec_ema = 0.5  # recent acceptance rate
         self.spec_idle = 0  # plain steps since gamma fell to 0
         self.stop_reason: int | None = None
+        # with sampling.prompt_logprobs, on choice 0 (the one that computes the prompt): those
+        # computed so far (prompt tokens 1 ..), until they are sent with its first token
+        self.prompt_logprobs: list[PositionLogprobs] | None = (
+            [] if sampling.prompt_logprobs is not None and index == 0 else None)
+        self.prompt_logprobs_sent = False
         self.num_preemptions = 0
         # the timeline reported on the terminal delta (RequestMetrics)
         self.first_token_time: float | None = None
@@ -116,6 +127,14 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
+
+    def prompt_logprob_positions(self, start: int, n: int) -> range:
+        """Of the n positions computed from `start`, those whose logits give a prompt token's
+        logprob not yet computed (position i predicts prompt token i + 1)."""
+        if self.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return range(0)
+        first = max(start, len(self.prompt_logprobs))
+        return range(first, min(start + n, self.num_prompt_tokens - 1))
 
     def append_token(self, token_id: int) -> None:
         self._all_token_ids.append(token_id)

@@ -13,9 +13,14 @@ import torch
 from engine.forward_context import ForwardContext, forward_context
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput
+from engine.sampler import Sampler, SamplerOutput, position_logprobs
 from engine.scheduler import SchedulerOutput
+from ipc.messages import PositionLogprobs
 from kernels import AttentionMetadata
+
+# NOTE: prompt logits go through the LM head this many rows at a time (a [rows, vocab]
+# float32 block: 256 x 49152 is 50 MB)
+_PROMPT_LOGITS_ROWS = 256
 
 
 class ModelRunner:
@@ -72,9 +77,34 @@ class ModelRunner:
         if self.draft.own_cache:  # NOTE: the draft model computes what the target did
             with forward_context(ForwardContext(meta, self.draft.kv_caches, self.backend)):
                 self.draft.model(input_ids, positions)
+        prompt = self._prompt_logprobs(out, hidden, last)
         if not out.sampling:
-            return None
-        return self._sample(out, hidden, last)
+            return SamplerOutput([], [], prompt_logprobs=prompt) if prompt else None
+        result = self._sample(out, hidden, last)
+        result.prompt_logprobs = prompt
+        return result
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
+                         last: dict[int, int]) -> list[tuple[Request, list[PositionLogprobs]]]:
+        """Logprobs of the prompt tokens this step's positions predict, for requests that
+        asked (position i's logits give prompt token i + 1)."""
+        found = []
+        for req, n in out.scheduled:
+            positions = req.prompt_logprob_positions(req.num_computed_tokens, n)
+            if not positions:
+                continue
+            row0 = last[id(req)] - n + 1 - req.num_computed_tokens  # the row of position 0
+            tokens = req.all_token_ids
+            k = req.sampling.prompt_logprobs
+            computed: list[PositionLogprobs] = []
+            for start in range(positions.start, positions.stop, _PROMPT_LOGITS_ROWS):
+                span = range(start, min(start + _PROMPT_LOGITS_ROWS, positions.stop))
+                rows = torch.tensor([row0 + p for p in span], device=self.device)
+                targets = torch.tensor([tokens[p + 1] for p in span], device=self.device)
+                logits = self.model.compute_logits(hidden[rows])
+                computed += position_logprobs(logits, targets, [k] * len(span))  # type: ignore[arg-type]
+            found.append((req, computed))
+        return found
 
     def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, last: dict[int, int]):
         """Sample plain requests in one batch; verify each speculating request's drafts."""

@@ -23,6 +23,8 @@ class SamplerOutput:
     logprobs: list[PositionLogprobs | None]  # per request, when it asked for logprobs
     # per request, the draft tokens verification kept (before token_ids[i]); [] without drafts
     accepted: list[list[int]] = field(default_factory=list)
+    # (request, logprobs of the prompt tokens its positions this step predicted), in order
+    prompt_logprobs: list[tuple[Request, list[PositionLogprobs]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.accepted:
@@ -143,21 +145,30 @@ class Sampler:
         wanted = [_logprobs_wanted(r) for r in requests]
         if all(n is None for n in wanted):
             return [None] * len(requests)
-        # NOTE: logprobs of the model's own distribution, before penalties and temperature.
-        lp = raw.log_softmax(dim=-1)
-        chosen = lp.gather(1, token_ids[:, None])[:, 0]
-        ranks = (lp > chosen[:, None]).sum(-1) + 1
-        k = max(n or 0 for n in wanted)
-        top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
-        out: list[PositionLogprobs | None] = []
-        for i, n in enumerate(wanted):
-            if n is None:
-                out.append(None)
-                continue
-            top = [TokenLogprob(int(t), float(v)) for t, v in
-                   zip(top_i[i, :n].tolist(), top_v[i, :n].tolist(), strict=True)] if n else []
-            out.append(PositionLogprobs(int(token_ids[i]), float(chosen[i]), int(ranks[i]), top))
-        return out
+        return position_logprobs(raw, token_ids, wanted)
+
+
+def position_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
+                      wanted: Sequence[int | None]) -> list[PositionLogprobs | None]:
+    """Per row: the logprob and rank of token_ids[row] and the top wanted[row] alternatives
+    (None where wanted is None), from the raw logits [rows, vocab].
+
+    NOTE: logprobs of the model's own distribution, before penalties and temperature.
+    """
+    lp = raw.float().log_softmax(dim=-1)
+    chosen = lp.gather(1, token_ids[:, None])[:, 0]
+    ranks = (lp > chosen[:, None]).sum(-1) + 1
+    k = max(n or 0 for n in wanted)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+    out: list[PositionLogprobs | None] = []
+    for i, n in enumerate(wanted):
+        if n is None:
+            out.append(None)
+            continue
+        top = [TokenLogprob(int(t), float(v)) for t, v in
+               zip(top_i[i, :n].tolist(), top_v[i, :n].tolist(), strict=True)] if n else []
+        out.append(PositionLogprobs(int(token_ids[i]), float(chosen[i]), int(ranks[i]), top))
+    return out
 
 
 def _logprobs_wanted(r: Request) -> int | None:

@@ -204,7 +204,9 @@ class Scheduler:
             width = 1 + len(req.children)  # forked choices will run too
             if len(self.running) + width > self.config.max_num_seqs and self.running:
                 break
-            cached = self.kv.find_cached_prefix(req)
+            # NOTE: prompt logprobs need every prompt position's logits: no cached prefix
+            wants_prompt = req.prompt_logprobs is not None and not req.prompt_logprobs_sent
+            cached = [] if wants_prompt else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, cached):
@@ -269,6 +271,8 @@ class Scheduler:
             self.kv.cache_full_blocks(req)
         if sampled is None:
             return []
+        for req, positions in sampled.prompt_logprobs:
+            req.prompt_logprobs.extend(positions)  # type: ignore[union-attr]
         for req, row in zip(out.sampling, out.sampling_rows, strict=True):
             if req is not row:  # fork every choice before any of them may finish
                 self._fork(row, req)
@@ -460,7 +464,11 @@ def _can_speculate(req: Request) -> bool:
 
 
 def _delta(req: Request, tokens: list[int], logprobs=None) -> TokenDelta:
+    prompt = None
+    if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and tokens:
+        prompt, req.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, [], True
     return TokenDelta(
+        prompt_logprobs=prompt,
         request_id=req.request_id,
         new_token_ids=tokens,
         finish_reason=req.finish_reason,

@@ -92,6 +92,9 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     cumulative_logprob: float | None = None  # with best_of: the choice's total logprob so far
     scheduled_time: float | None = None  # on a choice's first delta: time.time() it left the queue
     metrics: RequestMetrics | None = None  # on the terminal delta of a choice the engine ran
+    # with sampling.prompt_logprobs, on choice 0's first delta: prompt tokens 1 .. P-1 (the
+    # first prompt token has no logprob), each with its logprob, rank and top alternatives
+    prompt_logprobs: list[PositionLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -32,6 +32,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     length_penalty: float = 1.0  # beam scores are divided by length ** length_penalty
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # logprobs of each prompt token after the first (with this many top alternatives)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
@@ -64,7 +66,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         _check(_finite(self.length_penalty), "length_penalty", "must be finite")
         _check(all(t >= 0 and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
                "logit_bias", "needs token ids >= 0 and biases in [-100, 100]")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+               "must be >= 0")
         if self.use_beam_search:
+            _check(self.prompt_logprobs is None, "prompt_logprobs",
+                   "is not supported with use_beam_search")
             _check(self.best_of is None, "best_of", "cannot be combined with use_beam_search")
             _check(self.logprobs is None, "logprobs", "is not supported with use_beam_search")
 
