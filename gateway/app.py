@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -48,18 +49,25 @@ def sse_event(payload: object) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it passes `limit` bytes (header or stream)."""
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, refused with 413 as soon as it passes `limit` bytes (header or stream), and
+    with 408 (the connection then closes) when it takes longer than `timeout` seconds."""
     too_large = ApiError(413, f"request body is larger than {limit} bytes", "request_too_large")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        # NOTE: Connection: close, as the rest of the body is not awaited
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s",
+                       "request_timeout", headers={"Connection": "close"}) from None
     return b"".join(chunks)
 
 
@@ -84,9 +92,10 @@ class Handlers:
 
     async def _generate(self, request: Request, kind: type[AnyRequest]) -> Response:
         try:
-            body = await read_body(request, self.gw.settings.max_body_bytes)
+            settings = self.gw.settings
+            body = await read_body(request, settings.max_body_bytes, settings.body_timeout)
             parsed = decode_request(body, kind)
-            job = self.gw.prepare(parsed)
+            job = await self.gw.prepare(parsed)
             job.trace_headers = trace_headers(request.headers)
             gen = self.gw.start(job)
         except ApiError as exc:

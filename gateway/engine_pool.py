@@ -12,6 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from gateway.engine_client import EngineClient, EngineUnavailableError, RequestStream
 from ipc.config import EngineConfig
 from ipc.messages import AddRequest, EngineReady, EngineStats, FromEngine, Heartbeat
@@ -92,10 +94,15 @@ class EnginePool:
 
     @property
     def info(self) -> EngineReady | None:
-        for m in self.members:
-            if m.client.ready and m.client.info is not None:
-                return m.client.info
-        return None
+        """The first live engine's handshake, with the shortest context of the live engines
+        (each fits its own KV pool; a request must fit whichever engine it is routed to)."""
+        infos = [m.client.info for m in self.members if m.client.ready and m.client.info]
+        if not infos:
+            return None
+        shortest = min(i.max_model_len for i in infos)
+        if infos[0].max_model_len == shortest:
+            return infos[0]
+        return msgspec.structs.replace(infos[0], max_model_len=shortest)
 
     @property
     def stats(self) -> EngineStats | None:

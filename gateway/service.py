@@ -34,6 +34,9 @@ class GatewaySettings:
     drain_retry_after: int = 5
     ws_send_queue: int = 256  # frames queued per WebSocket before it is closed 1013
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: a span per request
+    split_special_tokens: bool = False  # client text's special-token strings stay plain text
+    header_timeout: float = 10.0  # seconds to send a request's head (line and headers)
+    body_timeout: float = 30.0  # seconds to send a request's whole body, once its head is in
 
 
 def _engine_exception_types() -> tuple[type[BaseException], ...]:
@@ -105,23 +108,25 @@ class Gateway:
             raise ApiError(404, f"the model `{model}` does not exist", "model_not_found", "model")
         return served
 
-    def prepare(self, request: AnyRequest) -> Job:
+    async def prepare(self, request: AnyRequest) -> Job:
         """Validate against the engine, tokenize, and build the Job (raises ApiError)."""
         self.require_ready()
         model = self.check_model(request.model)
-        prompt_ids = self._prompt_ids(request)
+        # NOTE: the engine's context, already lowered to what its KV pool holds
         max_model_len = self.client.info.max_model_len  # type: ignore[union-attr]
+        prompt_ids = await self._prompt_ids(request, max_model_len)
         max_tokens = request.requested_max_tokens
-        if len(prompt_ids) + (max_tokens or 1) > max_model_len:
+        room = max_model_len - len(prompt_ids)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
             raise ApiError(
                 400,
                 f"this model's maximum context length is {max_model_len} tokens; the prompt "
                 f"has {len(prompt_ids)} and max_tokens asks {max_tokens or 1} more",
                 "context_length_exceeded",
-                "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+                _prompt_param(request) if room < 1 else _max_tokens_param(request),
             )
-        max_tokens = max_tokens or max_model_len - len(prompt_ids)
-        sampling = to_sampling(request, max_tokens, self.settings.max_logprobs)
+        sampling = to_sampling(request, max_tokens or room, self.settings.max_logprobs)
+        self._check_ids(request)
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
         request_id = request.request_id or f"{prefix}-{uuid.uuid4().hex}"
         if request_id in self.generations:
@@ -166,7 +171,14 @@ class Gateway:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for g in self.generations.values() if not g.started)
+        """Requests the engine has not scheduled yet: those its latest stats count as waiting,
+        plus those sent since (in flight but neither running, waiting nor swapped there)."""
+        stats = self.client.stats
+        inflight = self.client.num_inflight
+        if stats is None:
+            return inflight
+        in_transit = inflight - stats.num_running - stats.num_waiting - stats.num_swapped
+        return stats.num_waiting + max(0, in_transit)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation runs (True) or `timeout` passes (False)."""
@@ -180,24 +192,67 @@ class Gateway:
         for request_id in list(self.generations):
             self.client.abort(request_id)
 
-    def _prompt_ids(self, request: AnyRequest) -> list[int]:
+    async def _prompt_ids(self, request: AnyRequest, max_model_len: int) -> list[int]:
         tok = self.tokenizer()
+        split = self.settings.split_special_tokens
         if isinstance(request, CompletionRequest):
             prompt = request.prompt
-            if isinstance(prompt, str):
-                ids = tok.encode(prompt)
-            elif isinstance(prompt[0], str):
-                ids = tok.encode(prompt[0])  # type: ignore[arg-type]
+            if isinstance(prompt, str) or isinstance(prompt[0], str):
+                text: str = prompt if isinstance(prompt, str) else prompt[0]  # type: ignore
+                _check_text_length(len(text), max_model_len, tok, "prompt")
+                ids = await _off_loop(len(text), tok.encode, text, False, split)
             else:
                 ids = list(prompt)  # type: ignore[arg-type]
         else:
             messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
-            ids = tok.apply_chat_template(messages, request.add_generation_prompt)
+            chars = sum(len(m["content"]) for m in messages)
+            _check_text_length(chars, max_model_len, tok, "messages")
+            ids = await _off_loop(chars, tok.apply_chat_template, messages,
+                                  request.add_generation_prompt, split)
         if not ids:
             raise ApiError(400, "the prompt is empty", "invalid_value", "prompt")
         if max(ids) >= tok.vocab_size:
             raise ApiError(400, f"token ids must be < {tok.vocab_size}", "invalid_value", "prompt")
         return ids
+
+    def _check_ids(self, request: AnyRequest) -> None:
+        vocab = self.tokenizer().vocab_size
+        for i, token in enumerate(request.stop_token_ids or ()):
+            if token >= vocab:
+                raise ApiError(400, f"stop_token_ids must be < {vocab} (the vocabulary)",
+                               "invalid_value", f"stop_token_ids[{i}]")
+
+
+# NOTE: encoding about 50k characters takes about 50 ms here; shorter texts stay on the loop
+# (a thread hop costs more than their encode), longer ones go to a thread (`tokenizers`
+# releases the GIL while it encodes).
+_OFF_LOOP_CHARS = 16_384
+
+
+async def _off_loop(chars: int, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+    if chars < _OFF_LOOP_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _check_text_length(chars: int, max_model_len: int, tok: Tokenizer, param: str) -> None:
+    """Refuse, before tokenizing, text that cannot fit: no token is longer than the
+    vocabulary's longest, so more than max_model_len times that many characters is too long."""
+    limit = max_model_len * tok.max_token_chars
+    if chars > limit:
+        raise ApiError(400, f"the prompt has {chars} characters; at most {limit} can fit in "
+                       f"this model's context of {max_model_len} tokens",
+                       "context_length_exceeded", param)
+
+
+def _prompt_param(request: AnyRequest) -> str:
+    return "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+
+
+def _max_tokens_param(request: AnyRequest) -> str:
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
 
 
 def _message_dict(index: int, message: Any) -> dict[str, Any]:
