@@ -94,15 +94,15 @@ class EnginePool:
 
     @property
     def info(self) -> EngineReady | None:
-        """The first live engine's handshake, with the shortest context of the live engines
-        (each fits its own KV pool; a request must fit whichever engine it is routed to)."""
+        """The live engines as one: the first one's handshake, with the shortest context
+        (each fits its own KV pool; a request must fit wherever it is routed) and the sum
+        of their seats (max_num_seqs)."""
         infos = [m.client.info for m in self.members if m.client.ready and m.client.info]
         if not infos:
             return None
-        shortest = min(i.max_model_len for i in infos)
-        if infos[0].max_model_len == shortest:
-            return infos[0]
-        return msgspec.structs.replace(infos[0], max_model_len=shortest)
+        return msgspec.structs.replace(
+            infos[0], max_model_len=min(i.max_model_len for i in infos),
+            max_num_seqs=sum(i.max_num_seqs for i in infos))
 
     @property
     def stats(self) -> EngineStats | None:

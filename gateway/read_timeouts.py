@@ -42,13 +42,13 @@ class TimedH11Protocol(H11Protocol):
 
     def _track(self) -> None:
         state = self.conn.their_state
-        if self.transport.is_closing():
-            self._set_phase(None)
+        if self.transport.is_closing() or self.transport.get_protocol() is not self:
+            self._set_phase(None)  # NOTE: closed, or handed over to a WebSocket protocol
         elif state is h11.IDLE:
             self._set_phase("head")
         elif state is h11.SEND_BODY:
             self._set_phase("body")
-        else:  # NOTE: the request is in (DONE), or the socket turned into a WebSocket
+        else:  # NOTE: the whole request is in
             self._set_phase(None)
 
     def _set_phase(self, phase: str | None) -> None:

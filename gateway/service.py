@@ -171,14 +171,20 @@ class Gateway:
 
     @property
     def num_waiting(self) -> int:
-        """Requests the engine has not scheduled yet: those its latest stats count as waiting,
-        plus those sent since (in flight but neither running, waiting nor swapped there)."""
-        stats = self.client.stats
+        """Requests no engine has scheduled yet: those its latest stats count as waiting, plus
+        those sent since (neither running, waiting nor swapped there) beyond its free seats.
+
+        NOTE: the engine reports after each step, and a prefill step can be long: a request
+        on its way to an engine with a free seat (of max_num_seqs) is taken at its next step,
+        so it does not count as queued, even before its first token."""
+        stats, info = self.client.stats, self.client.info
         inflight = self.client.num_inflight
-        if stats is None:
+        if stats is None or info is None:
             return inflight
-        in_transit = inflight - stats.num_running - stats.num_waiting - stats.num_swapped
-        return stats.num_waiting + max(0, in_transit)
+        busy = stats.num_running + stats.num_swapped
+        in_transit = max(0, inflight - busy - stats.num_waiting)
+        free_seats = 0 if stats.num_waiting else max(0, info.max_num_seqs - busy)
+        return stats.num_waiting + max(0, in_transit - free_seats)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation runs (True) or `timeout` passes (False)."""
