@@ -127,11 +127,6 @@ class Generation:
         metrics.prompt_tokens.inc(len(job.prompt_ids))
 
     @property
-    def started(self) -> bool:
-        """True once the engine has answered (the request left its queue)."""
-        return self.first_token_time is not None
-
-    @property
     def usage(self) -> dict[str, int]:
         prompt = len(self.job.prompt_ids)
         return {
