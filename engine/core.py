@@ -5,6 +5,7 @@ It touches no sockets: the engine process (IO threads) and `LLM` (in-process) bo
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -27,6 +28,10 @@ from kernels import get_backend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # auto: the model's dtype
+# NOTE: a pool smaller than this cannot hold a useful request: refuse to start.
+_MIN_CONTEXT_TOKENS = 16
+
+log = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -44,6 +49,11 @@ class EngineCore:
         self.max_model_len = _max_model_len(config, self.model_config.max_position_embeddings)
         self.block_size = config.block_size
         self.num_gpu_blocks = self._num_blocks(model)
+        model_len = self.max_model_len
+        self.max_model_len = _fit_context(model_len, self.num_gpu_blocks, self.block_size)
+        # NOTE: said in errors, so that a client knows why its context is short
+        self._context_note = ("" if self.max_model_len == model_len else
+                              f" (what {self.num_gpu_blocks} KV blocks hold)")
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         kv_bytes = self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize
         block_bytes = self.block_size * kv_bytes
@@ -180,14 +190,14 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt) >= self.max_model_len:
             raise ValueError(
-                f"prompt has {len(prompt)} tokens; the context length is {self.max_model_len} "
-                "(prompt plus at least one output token)"
+                f"prompt has {len(prompt)} tokens; the context length is {self.max_model_len}"
+                f"{self._context_note} (prompt plus at least one output token)"
             )
         max_tokens = self.max_model_len - len(prompt) if s.max_tokens is None else s.max_tokens
         if len(prompt) + max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                f"context length {self.max_model_len}"
+                f"context length {self.max_model_len}{self._context_note}"
             )
         if self.kv.blocks_needed(len(prompt) + max_tokens) > self.num_gpu_blocks:
             raise ValueError(
@@ -261,6 +271,20 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
         # NOTE: the CPU here has no bf16 matrix units: float32 is the fast dtype on CPU.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def _fit_context(max_model_len: int, num_blocks: int, block_size: int) -> int:
+    """The context length one request can really use: at most what the KV pool holds
+    (lowered with a warning, as vLLM does; ValueError if not even a tiny context fits)."""
+    pool_tokens = num_blocks * block_size
+    if pool_tokens >= max_model_len:
+        return max_model_len
+    if pool_tokens < min(_MIN_CONTEXT_TOKENS, max_model_len):
+        raise ValueError(f"num_gpu_blocks: the KV pool ({num_blocks} blocks of {block_size} "
+                         f"tokens) holds fewer than {_MIN_CONTEXT_TOKENS} tokens")
+    log.warning("max_model_len lowered from %d to %d: what the KV pool (%d blocks of %d "
+                "tokens) holds", max_model_len, pool_tokens, num_blocks, block_size)
+    return pool_tokens
 
 
 def _max_model_len(config: EngineConfig, model_max: int) -> int:

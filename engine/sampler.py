@@ -198,5 +198,8 @@ def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
         probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
         drop |= before >= torch.tensor(top_p, device=x.device)[:, None]
+    # NOTE: the most likely token always stays: a tiny top_p (1e-300 is 0 in float32) would
+    # otherwise mask the whole row, and softmax of a row of -inf is NaN.
+    drop[:, 0] = False
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(1, order, sorted_x)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -54,18 +55,25 @@ def sse_event(payload: object) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it passes `limit` bytes (header or stream)."""
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, refused with 413 as soon as it passes `limit` bytes (header or stream), and
+    with 408 (the connection then closes) when it takes longer than `timeout` seconds."""
     too_large = ApiError(413, f"request body is larger than {limit} bytes", "request_too_large")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        # NOTE: Connection: close, as the rest of the body is not awaited
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s",
+                       "request_timeout", headers={"Connection": "close"}) from None
     return b"".join(chunks)
 
 
@@ -95,15 +103,15 @@ class Handlers:
         """vLLM's /tokenize: the ids a prompt or conversation becomes here."""
         gw = self.gw
         try:
-            body = await read_body(request, gw.settings.max_body_bytes)
+            body = await read_body(request, gw.settings.max_body_bytes, gw.settings.body_timeout)
             chat = b'"messages"' in body  # NOTE: the two shapes share no tag field
             parsed = decode_body(body, TokenizeChatRequest if chat else TokenizeCompletionRequest)
             gw.require_ready()
             gw.check_model(parsed.model)
             if isinstance(parsed, TokenizeChatRequest):
-                ids = gw.chat_prompt_ids(parsed)
+                ids = await gw.chat_prompt_ids(parsed, gw.client.info.max_model_len)
             else:
-                ids = gw.tokenizer().encode(parsed.prompt, parsed.add_special_tokens)
+                ids = await gw.encode_prompt(parsed.prompt, parsed.add_special_tokens)
         except ApiError as exc:
             return exc.response()
         strs = [gw.tokenizer().token_text(t) for t in ids] if parsed.return_token_strs else None
@@ -113,7 +121,7 @@ class Handlers:
     async def detokenize(self, request: Request) -> Response:
         gw = self.gw
         try:
-            body = await read_body(request, gw.settings.max_body_bytes)
+            body = await read_body(request, gw.settings.max_body_bytes, gw.settings.body_timeout)
             parsed = decode_body(body, DetokenizeRequest)
             gw.require_ready()
             gw.check_model(parsed.model)
@@ -134,9 +142,10 @@ class Handlers:
     async def _generate(self, request: Request, kind: type[AnyRequest]) -> Response:
         gens: list[Generation] = []
         try:
-            body = await read_body(request, self.gw.settings.max_body_bytes)
+            settings = self.gw.settings
+            body = await read_body(request, settings.max_body_bytes, settings.body_timeout)
             parsed = decode_request(body, kind)
-            jobs = self.gw.prepare_all(parsed)
+            jobs = await self.gw.prepare_all(parsed)
             for job in jobs:
                 job.trace_headers = trace_headers(request.headers)
                 gens.append(self.gw.start(job))

@@ -20,6 +20,7 @@ import structlog
 import uvicorn
 
 from gateway.app import build_app
+from gateway.read_timeouts import timed_h11_protocol
 from gateway.service import Gateway, GatewaySettings
 from gateway.tracing import traces_url
 from ipc import exit_codes
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve", help="start the gateway and an engine process",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsOnceFormatter,
     )
     group = serve.add_argument_group("gateway")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -45,17 +46,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require `Authorization: Bearer <key>` on /v1 "
                             "(default: $PAGEDSERVE_API_KEY, else no auth)")
     group.add_argument("--max-queued-requests", type=int, default=None,
-                       help="answer 503 + Retry-After beyond this many requests not yet started")
+                       help="answer 503 + Retry-After beyond this many requests the engine "
+                            "has not scheduled yet (its queue, plus those on their way to it)")
     group.add_argument("--allowed-origins", default="",
                        help="comma-separated CORS and WebSocket origins ('*' for any); "
                             "empty: same-origin WebSockets only, no CORS")
     group.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes,
-                       help="largest request body accepted (413 beyond)")
+                       help="largest request body and WebSocket frame accepted (413 and close "
+                            "1009 beyond)")
     group.add_argument("--sse-keepalive-interval", type=float,
                        default=GatewaySettings.sse_keepalive_interval,
                        help="send an SSE `: ping` comment after this many seconds without an "
                             "event (for proxies that cut idle streams); default: never, as "
                             "OpenAI and vLLM (`vllm bench serve` mis-parses lone comments)")
+    group.add_argument("--header-timeout", type=float, default=GatewaySettings.header_timeout,
+                       help="seconds a client has to send a request's line and headers "
+                            "(the connection is closed after)")
+    group.add_argument("--body-timeout", type=float, default=GatewaySettings.body_timeout,
+                       help="seconds a client has to send a request's whole body once its "
+                            "headers are in (408, then the connection is closed)")
+    group.add_argument("--split-special-tokens", action="store_true",
+                       help="encode special-token strings (such as <|im_start|>) in client text "
+                            "(message contents, prompts) as plain text; by default they become "
+                            "control tokens, as in HF transformers")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may finish after SIGTERM before abort")
     group.add_argument("--log-level", default="info", help="gateway log level")
@@ -71,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("generate", help="generate offline (python -m engine.generate ...)",
                         add_help=False)
     return parser
+
+
+class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: ...)" to help that does not say its default already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "(default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _add_engine_process_args(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +126,9 @@ def check_args(ns: argparse.Namespace) -> EngineConfig:
     settings_from_args(ns)  # NOTE: GatewaySettings validates its own fields (ValueError)
     if ns.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be >= 0")
+    for flag in ("header_timeout", "body_timeout"):
+        if getattr(ns, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
     for flag in ("engine_heartbeat_timeout", "engine_startup_timeout"):
         if getattr(ns, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
@@ -159,6 +184,8 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
         allowed_origins=origins, max_body_bytes=ns.max_body_bytes,
         otlp_traces_endpoint=ns.otlp_traces_endpoint or None,
         sse_keepalive_interval=ns.sse_keepalive_interval,
+        split_special_tokens=ns.split_special_tokens, header_timeout=ns.header_timeout,
+        body_timeout=ns.body_timeout,
     )
 
 
@@ -181,7 +208,9 @@ async def serve(ns: argparse.Namespace) -> int:
     gateway = Gateway(client, settings_from_args(ns))
     config = uvicorn.Config(build_app(client, gateway=gateway), host=ns.host, port=ns.port,
                             lifespan="off", access_log=False, log_level=ns.log_level,
-                            ws="websockets", timeout_graceful_shutdown=5)
+                            ws="websockets", timeout_graceful_shutdown=5,
+                            http=timed_h11_protocol(ns.header_timeout, ns.body_timeout),
+                            ws_max_size=ns.max_body_bytes)
     notifier = Notifier()
     drainer = _Drainer(gateway, ns.shutdown_timeout, notifier)
     server = _Server(config, drainer)

@@ -12,6 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from gateway.engine_client import EngineClient, EngineUnavailableError, RequestStream
 from ipc.config import EngineConfig
 from ipc.messages import AddRequest, EngineReady, EngineStats, FromEngine, Heartbeat
@@ -92,10 +94,15 @@ class EnginePool:
 
     @property
     def info(self) -> EngineReady | None:
-        for m in self.members:
-            if m.client.ready and m.client.info is not None:
-                return m.client.info
-        return None
+        """The live engines as one: the first one's handshake, with the shortest context
+        (each fits its own KV pool; a request must fit wherever it is routed) and the sum
+        of their seats (max_num_seqs)."""
+        infos = [m.client.info for m in self.members if m.client.ready and m.client.info]
+        if not infos:
+            return None
+        return msgspec.structs.replace(
+            infos[0], max_model_len=min(i.max_model_len for i in infos),
+            max_num_seqs=sum(i.max_num_seqs for i in infos))
 
     @property
     def stats(self) -> EngineStats | None:

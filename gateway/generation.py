@@ -142,11 +142,6 @@ class Generation:
         return self._closed
 
     @property
-    def started(self) -> bool:
-        """True once the engine has answered (the request left its queue)."""
-        return self.first_token_time is not None
-
-    @property
     def usage(self) -> dict[str, int]:
         prompt = len(self.job.prompt_ids)
         return {

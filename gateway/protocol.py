@@ -23,6 +23,17 @@ Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 # NOTE: printable ASCII without space or `/`: it is sent back in the X-Request-Id header and
 # names the request in the cancel URL's path.
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[!-.0-~]+$")]
+# NOTE: limits (README "Limits"): OpenAI allows 4 stop strings; vLLM sets no bound. Matching
+# costs the same for any number of them (ipc.text.StopMatcher is one automaton); the bounds
+# keep one request's automaton small and the text held back short.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+StopTokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
+Stop = StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)]
+# NOTE: OpenAI's roles; `tool` results are accepted (their rendering is the template's job).
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class StreamOptions(msgspec.Struct):
@@ -35,7 +46,7 @@ class ContentPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -52,7 +63,7 @@ class _Common(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     # accepted, and change nothing here (gateway/refused.py lists the refused fields)
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -68,7 +79,7 @@ class _Common(msgspec.Struct, kw_only=True):
     min_tokens: NonNegInt = 0
     priority: Int32 = 0
     request_id: RequestId | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: StopTokenIds | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Annotated[str, msgspec.Meta(max_length=256)] | None = None

@@ -36,6 +36,9 @@ class GatewaySettings:
     drain_retry_after: int = 5
     ws_send_queue: int = 256  # frames queued per WebSocket before it is closed 1013
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: a span per request
+    split_special_tokens: bool = False  # client text's special-token strings stay plain text
+    header_timeout: float = 10.0  # seconds to send a request's head (line and headers)
+    body_timeout: float = 30.0  # seconds to send a request's whole body, once its head is in
 
     def __post_init__(self) -> None:
         interval = self.sse_keepalive_interval
@@ -112,38 +115,41 @@ class Gateway:
             raise ApiError(404, f"the model `{model}` does not exist", "model_not_found", "model")
         return served
 
-    def prepare_all(self, request: AnyRequest) -> list[Job]:
+    async def prepare_all(self, request: AnyRequest) -> list[Job]:
         """One Job per prompt: several for a completions request with a list of prompts
         (engine request ids `<id>-<p>`, choices numbered from p * n)."""
         if isinstance(request, ChatCompletionRequest) or len(request.prompts) == 1:
-            return [self.prepare(request)]
+            return [await self.prepare(request)]
         base = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         jobs = []
         for p in range(len(request.prompts)):
-            job = self.prepare(request, p, f"{base}-{p}")
+            job = await self.prepare(request, p, f"{base}-{p}")
             job.response_id, job.index_base = base, p * request.n
             jobs.append(job)
         return jobs
 
-    def prepare(self, request: AnyRequest, prompt_index: int = 0,
-                request_id: str | None = None) -> Job:
+    async def prepare(self, request: AnyRequest, prompt_index: int = 0,
+                      request_id: str | None = None) -> Job:
         """Validate against the engine, tokenize, and build the Job (raises ApiError)."""
         self.require_ready()
         model = self.check_model(request.model)
-        prompt_ids = self._prompt_ids(request, prompt_index)
+        # NOTE: the engine's context, already lowered to what its KV pool holds
         max_model_len = self.client.info.max_model_len  # type: ignore[union-attr]
+        prompt_ids = await self._prompt_ids(request, max_model_len, prompt_index)
         max_tokens = request.requested_max_tokens
-        if len(prompt_ids) + (max_tokens or 1) > max_model_len:
+        room = max_model_len - len(prompt_ids)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
             raise ApiError(
                 400,
                 f"this model's maximum context length is {max_model_len} tokens; the prompt "
                 f"has {len(prompt_ids)} and max_tokens asks {max_tokens or 1} more",
                 "context_length_exceeded",
-                "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+                _prompt_param(request) if room < 1 else _max_tokens_param(request),
             )
-        max_tokens = max_tokens or max_model_len - len(prompt_ids)
         # NOTE: the engine's --max-logprobs, reported in its handshake: one limit, not two
-        sampling = to_sampling(request, max_tokens, self.client.info.max_logprobs)  # type: ignore[union-attr]
+        info = self.client.info
+        sampling = to_sampling(request, max_tokens or room, info.max_logprobs)  # type: ignore[union-attr]
+        self._check_ids(request)
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
         request_id = request_id or request.request_id or f"{prefix}-{uuid.uuid4().hex}"
         if request_id in self.generations:
@@ -189,7 +195,20 @@ class Gateway:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for g in self.generations.values() if not g.started)
+        """Requests no engine has scheduled yet: those its latest stats count as waiting, plus
+        those sent since (neither running, waiting nor swapped there) beyond its free seats.
+
+        NOTE: the engine reports after each step, and a prefill step can be long: a request
+        on its way to an engine with a free seat (of max_num_seqs) is taken at its next step,
+        so it does not count as queued, even before its first token."""
+        stats, info = self.client.stats, self.client.info
+        inflight = self.client.num_inflight
+        if stats is None or info is None:
+            return inflight
+        busy = stats.num_running + stats.num_swapped
+        in_transit = max(0, inflight - busy - stats.num_waiting)
+        free_seats = 0 if stats.num_waiting else max(0, info.max_num_seqs - busy)
+        return stats.num_waiting + max(0, in_transit - free_seats)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no generation runs (True) or `timeout` passes (False)."""
@@ -203,12 +222,26 @@ class Gateway:
         for request_id in list(self.generations):
             self.client.abort(request_id)
 
-    def chat_prompt_ids(self, request: Any) -> list[int]:
-        """The token ids of a conversation (chat completions and /tokenize)."""
+    async def chat_prompt_ids(self, request: Any, max_model_len: int | None = None
+                              ) -> list[int]:
+        """The token ids of a conversation (chat completions and /tokenize); text too long
+        for `max_model_len` is refused before it is tokenized."""
         messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
-        return self.tokenizer().apply_chat_template(
-            messages, request.add_generation_prompt, request.continue_final_message,
-            request.chat_template_kwargs)
+        tok = self.tokenizer()
+        chars = sum(len(m["content"]) for m in messages)
+        if max_model_len is not None:
+            _check_text_length(chars, max_model_len, tok, "messages")
+        return await _off_loop(chars, tok.apply_chat_template, messages,
+                               request.add_generation_prompt, request.continue_final_message,
+                               request.chat_template_kwargs, self.settings.split_special_tokens)
+
+    async def encode_prompt(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The token ids of a completions prompt (completions and /tokenize); text too long
+        for the engine's context is refused before it is tokenized."""
+        tok = self.tokenizer()
+        _check_text_length(len(text), self.client.info.max_model_len, tok, "prompt")  # type: ignore[union-attr]
+        return await _off_loop(len(text), tok.encode, text, add_special_tokens,
+                               self.settings.split_special_tokens)
 
     def _echo_text(self, request: AnyRequest, prompt_index: int) -> str:
         """What `echo` puts before the output: the prompt (completions), or the last message
@@ -221,18 +254,58 @@ class Gateway:
         last = _message_dict(len(request.messages) - 1, request.messages[-1])
         return last["content"] if last["role"] == "assistant" else ""
 
-    def _prompt_ids(self, request: AnyRequest, prompt_index: int = 0) -> list[int]:
+    async def _prompt_ids(self, request: AnyRequest, max_model_len: int,
+                          prompt_index: int = 0) -> list[int]:
         tok = self.tokenizer()
         if isinstance(request, CompletionRequest):
             prompt = request.prompts[prompt_index]
-            ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = await self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         else:
-            ids = self.chat_prompt_ids(request)
+            ids = await self.chat_prompt_ids(request, max_model_len)
         if not ids:
             raise ApiError(400, "the prompt is empty", "invalid_value", "prompt")
         if max(ids) >= tok.vocab_size:
             raise ApiError(400, f"token ids must be < {tok.vocab_size}", "invalid_value", "prompt")
         return ids
+
+    def _check_ids(self, request: AnyRequest) -> None:
+        vocab = self.tokenizer().vocab_size
+        for i, token in enumerate(request.stop_token_ids or ()):
+            if token >= vocab:
+                raise ApiError(400, f"stop_token_ids must be < {vocab} (the vocabulary)",
+                               "invalid_value", f"stop_token_ids[{i}]")
+
+
+# NOTE: encoding about 50k characters takes about 50 ms here; shorter texts stay on the loop
+# (a thread hop costs more than their encode), longer ones go to a thread (`tokenizers`
+# releases the GIL while it encodes).
+_OFF_LOOP_CHARS = 16_384
+
+
+async def _off_loop(chars: int, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+    if chars < _OFF_LOOP_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _check_text_length(chars: int, max_model_len: int, tok: Tokenizer, param: str) -> None:
+    """Refuse, before tokenizing, text that cannot fit: no token is longer than the
+    vocabulary's longest, so more than max_model_len times that many characters is too long."""
+    limit = max_model_len * tok.max_token_chars
+    if chars > limit:
+        raise ApiError(400, f"the prompt has {chars} characters; at most {limit} can fit in "
+                       f"this model's context of {max_model_len} tokens",
+                       "context_length_exceeded", param)
+
+
+def _prompt_param(request: AnyRequest) -> str:
+    return "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+
+
+def _max_tokens_param(request: AnyRequest) -> str:
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
 
 
 def _message_dict(index: int, message: Any) -> dict[str, Any]:

@@ -2,12 +2,16 @@
 
 Reads an HF tokenizer directory: tokenizer.json, tokenizer_config.json and, as transformers 5
 saves it, chat_template.jinja. Templates render as HF renders them (sandboxed jinja2,
-trim_blocks/lstrip_blocks, `raise_exception`).
+trim_blocks/lstrip_blocks, `raise_exception`). Special-token strings in client text become
+control tokens, as in HF, unless `split_special_tokens` encodes client text as plain text.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -57,6 +61,13 @@ class Tokenizer:
         }
         source = _template_source(directory, config)
         self._template = _environment().from_string(source) if source else None
+        # NOTE: a second instance, as `encode_special_tokens` is a setting of the whole object
+        # and encodes may run on several threads at once.
+        self._plain = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        self._plain.encode_special_tokens = True
+        # NOTE: vocabulary keys are at least as long as the text of their token (byte-level
+        # BPE writes each byte as one symbol), so this bounds characters per token from above.
+        self.max_token_chars = max(len(k) for k in self._tok.get_vocab(with_added_tokens=True))
 
     @property
     def vocab_size(self) -> int:
@@ -66,8 +77,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = False,
+               split_special_tokens: bool = False) -> list[int]:
+        """Ids of `text`; `split_special_tokens` encodes special-token strings as plain text."""
+        tok = self._plain if split_special_tokens else self._tok
+        return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -110,10 +124,40 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+        split_special_tokens: bool = False,
     ) -> list[int]:
-        """Token ids of the rendered conversation (the template writes its own special tokens)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt,
-                                            continue_final_message, template_kwargs))
+        """Token ids of the rendered conversation (the template writes its own special tokens);
+        `split_special_tokens` encodes the messages' contents as plain text."""
+        render = functools.partial(self.render_chat, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message,
+                                   template_kwargs=template_kwargs)
+        text = render(messages)
+        if not split_special_tokens:
+            return self.encode(text)
+        ids: list[int] = []
+        for piece, plain in self._segments(messages, render, text):
+            ids += self.encode(piece, split_special_tokens=plain)
+        return ids
+
+    def _segments(self, messages: list[dict[str, Any]], render: Callable[[list], str],
+                  text: str) -> list[tuple[str, bool]]:
+        """`text` cut into (template text, False) and (message content, True) pieces.
+
+        The template is rendered again with a marker in place of each content; the cut is
+        used only if putting the contents back gives `text` exactly (a template that edits
+        contents, say with `trim`, is tried with stripped contents, else refused)."""
+        contents = [m.get("content") for m in messages]
+        marked = [{**m, "content": f"\ue000{i}\ue001"} if isinstance(m.get("content"), str)
+                  else m for i, m in enumerate(messages)]
+        skeleton = re.split("\ue000(\\d+)\ue001", render(marked))
+        for edit in (lambda c: c, str.strip):
+            pieces = [(part, False) if k % 2 == 0 else (edit(contents[int(part)]), True)
+                      for k, part in enumerate(skeleton)]
+            if "".join(p for p, _ in pieces) == text:
+                return [p for p in pieces if p[0]]
+        raise ApiError(400, "this chat template changes message contents, so they cannot be "
+                       "encoded apart from it (--split-special-tokens)",
+                       "invalid_chat_template", "messages")
 
 
 def _template_source(directory: Path, config: dict[str, Any]) -> str | None:

@@ -21,7 +21,7 @@ from gateway.auth import bearer_ok
 from gateway.chunks import ChunkBuilder, timeline_of, usage_of
 from gateway.errors import ApiError
 from gateway.generation import Generation
-from gateway.protocol import ChatCompletionRequest, decode_request
+from gateway.protocol import ChatCompletionRequest, RequestId, decode_request
 from gateway.service import Gateway
 from gateway.tracing import trace_headers
 from ipc.messages import FINISH_ABORT, FINISH_ERROR
@@ -34,12 +34,12 @@ CLOSE_POLICY = 1008
 
 
 class Generate(msgspec.Struct, tag="generate"):
-    id: str
+    id: RequestId  # NOTE: echoed in every frame of the generation: bounded like request_id
     request: msgspec.Raw
 
 
 class Cancel(msgspec.Struct, tag="cancel"):
-    id: str
+    id: RequestId
 
 
 class Ping(msgspec.Struct, tag="ping"):
@@ -67,7 +67,7 @@ class Outbox:
         self._max_frames = max_frames
         self._max_chars = max_chars
         self._wake = asyncio.Event()
-        self.overflowed = False
+        self.overflow = asyncio.Event()  # set once past the bound: the socket must close
 
     def __len__(self) -> int:
         return len(self._frames)
@@ -88,6 +88,10 @@ class Outbox:
         self._wake.set()
         self._check()
 
+    @property
+    def overflowed(self) -> bool:
+        return self.overflow.is_set()
+
     async def pop(self) -> dict[str, Any] | None:
         """The next frame, or None once the outbox overflowed (the socket must close)."""
         while not self._frames and not self.overflowed:
@@ -104,7 +108,7 @@ class Outbox:
 
     def _check(self) -> None:
         if len(self._frames) > self._max_frames or self._chars > self._max_chars:
-            self.overflowed = True
+            self.overflow.set()
             self._wake.set()
 
 
@@ -175,10 +179,14 @@ class Session:
         if self.state is State.DRAINING:
             self.push({"type": "session.draining"})
         receiver = asyncio.create_task(self._receive_loop())
+        # NOTE: the overflow is watched on its own: the sender may be stuck in a send to a
+        # reader that stopped reading, and the socket must close (and its generations end) now.
+        overflow = asyncio.create_task(self.outbox.overflow.wait())
         try:
-            await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({receiver, sender, overflow}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             receiver.cancel()
+            overflow.cancel()
             await self._close(sender)
 
     # ---- handshake ----------------------------------------------------------------------
@@ -220,13 +228,14 @@ class Session:
             if data is None:
                 self._error(None, ApiError(400, "frames must be JSON text", "invalid_frame"))
                 continue
-            self._handle(data)
+            await self._handle(data)
 
-    def _handle(self, data: str) -> None:
+    async def _handle(self, data: str) -> None:
         try:
             frame = _frames.decode(data)
         except (msgspec.DecodeError, RecursionError) as exc:
-            self._error(None, ApiError(400, f"invalid frame: {exc}", "invalid_frame"))
+            param = "id" if "`$.id`" in str(exc) else None
+            self._error(None, ApiError(400, f"invalid frame: {exc}", "invalid_frame", param))
             return
         match frame:
             case Ping():
@@ -239,9 +248,9 @@ class Session:
                 else:
                     task.cancel()
             case Generate(id=gen_id, request=raw):
-                self._start(gen_id, raw)
+                await self._start(gen_id, raw)
 
-    def _start(self, gen_id: str, raw: msgspec.Raw) -> None:
+    async def _start(self, gen_id: str, raw: msgspec.Raw) -> None:
         try:
             if self.state is State.DRAINING:
                 raise ApiError(503, "the server is shutting down", "server_draining")
@@ -250,7 +259,7 @@ class Session:
             if len(self.tasks) >= MAX_GENERATIONS_PER_SOCKET:
                 raise ApiError(429, "too many generations on this socket", "too_many_generations")
             request = decode_request(bytes(raw), ChatCompletionRequest)
-            job = self.gw.prepare(request)
+            job = await self.gw.prepare(request)
             job.trace_headers = trace_headers(self.ws.headers)  # the handshake's
             gen = self.gw.start(job)
         except ApiError as exc:

@@ -168,7 +168,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add one flag per EngineConfig field, with its default and help text."""
     group = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        help_text = f.metadata.get("help", "")
+        if "(default:" not in help_text:  # NOTE: some helps say their default in words
+            help_text += f" (default: {f.default})"
         if f.type == "bool":
             group.add_argument(_flag(f.name), dest=f.name, default=f.default, help=help_text,
                                action=argparse.BooleanOptionalAction)

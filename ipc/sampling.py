@@ -6,13 +6,17 @@ import math
 
 import msgspec
 
+# NOTE: below this, logits / temperature overflows float32 (1e-38 gives inf, then NaN): such
+# temperatures mean greedy, as in vLLM (its _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-5
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How to sample one request. Validated at construction (ValueError names the field)."""
 
     max_tokens: int | None = 16  # None: up to the model's context length
     min_tokens: int = 0  # EOS and stop token ids are suppressed until this many tokens
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (below GREEDY_TEMPERATURE) means greedy
     top_k: int = 0  # 0 or -1: disabled
     top_p: float = 1.0
     min_p: float = 0.0
@@ -81,7 +85,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _finite(value: float) -> bool:

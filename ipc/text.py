@@ -6,6 +6,7 @@ Stdlib only and duck-typed on `tokenizer.decode(ids, skip_special_tokens=...)`, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -84,13 +85,17 @@ class StopMatcher:
 
     `push` returns the text that is safe to show now and whether a stop string matched. The
     stop string itself is never emitted unless `include_stop`; nothing is emitted after it.
+    The stop that ends the text is the one completed first; of those ending at one place,
+    the longest. One automaton (Aho-Corasick) reads each character once, so the cost per
+    character does not grow with the number of stop strings.
     """
 
     def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
-        self._stops = tuple(stops)
+        self._automaton = _automaton(tuple(stops)) if stops else None
         self._include = include_stop
+        self._state = 0  # the automaton's node: the longest held suffix that starts a stop
         self._held = ""
         self._stopped = False
         self.matched: str | None = None  # the stop string that ended the stream
@@ -102,16 +107,20 @@ class StopMatcher:
     def push(self, text: str) -> tuple[str, bool]:
         if self._stopped:
             return "", True
-        if not self._stops:
+        if self._automaton is None:
             return text, False
         buffer = self._held + text
-        found = self._first_match(buffer)
-        if found is not None:
-            index, stop = found
-            self._stopped, self.matched, self._held = True, stop, ""
-            end = index + len(stop) if self._include else index
-            return buffer[:end], True
-        keep = self._partial_suffix_len(buffer)
+        step, depth, match = self._automaton.step, self._automaton.depth, self._automaton.match
+        state = self._state
+        for i, char in enumerate(text):
+            state = step(state, char)
+            if match[state]:
+                end = len(self._held) + i + 1
+                start = end - match[state]
+                self._stopped, self.matched, self._held = True, buffer[start:end], ""
+                return buffer[: end if self._include else start], True
+        self._state = state
+        keep = depth[state]
         self._held = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep], False
 
@@ -120,23 +129,51 @@ class StopMatcher:
         held, self._held = self._held, ""
         return "" if self._stopped else held
 
-    def _first_match(self, buffer: str) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            index = buffer.find(stop)
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        return best
 
-    def _partial_suffix_len(self, buffer: str) -> int:
-        """Length of the longest suffix of `buffer` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(buffer)), longest, -1):
-                if buffer.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+class _Automaton:
+    """Aho-Corasick over the stop strings: node 0 is the root; `depth[n]` is the length of
+    the prefix node n stands for; `match[n]` the length of the longest stop string that
+    ends there (0: none)."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.goto: list[dict[str, int]] = [{}]
+        self.depth = [0]
+        ends = [0]
+        for stop in stops:
+            node = 0
+            for char in stop:
+                nxt = self.goto[node].get(char)
+                if nxt is None:
+                    nxt = len(self.goto)
+                    self.goto[node][char] = nxt
+                    self.goto.append({})
+                    self.depth.append(self.depth[node] + 1)
+                    ends.append(0)
+                node = nxt
+            ends[node] = len(stop)
+        self.fail = [0] * len(self.goto)
+        self.match = list(ends)
+        queue = list(self.goto[0].values())
+        for node in queue:  # NOTE: breadth first: a node's fail link is shallower than it
+            for char, child in self.goto[node].items():
+                queue.append(child)
+                link = self.fail[node]
+                while link and char not in self.goto[link]:
+                    link = self.fail[link]
+                target = self.goto[link].get(char, 0)
+                self.fail[child] = target if target != child else 0
+                # NOTE: its own stop is the longest; else the longest one its suffixes end
+                self.match[child] = ends[child] or self.match[self.fail[child]]
+
+    def step(self, node: int, char: str) -> int:
+        while node and char not in self.goto[node]:
+            node = self.fail[node]
+        return self.goto[node].get(char, 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _automaton(stops: tuple[str, ...]) -> _Automaton:
+    return _Automaton(stops)
 
 
 class ChoiceText:

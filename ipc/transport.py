@@ -36,9 +36,33 @@ def runtime_dir() -> Path:
 
 
 def default_addresses() -> tuple[str, str]:
-    """A fresh (input, output) pair of ipc:// addresses in the runtime directory."""
-    stem = runtime_dir() / f"engine-{uuid.uuid4().hex[:12]}"
+    """A fresh (input, output) pair of ipc:// addresses in the runtime directory, named for
+    this process; the socket files of processes that are gone are removed first."""
+    directory = runtime_dir()
+    remove_stale_sockets(directory)
+    stem = directory / f"engine-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     return f"ipc://{stem}-in.sock", f"ipc://{stem}-out.sock"
+
+
+def remove_stale_sockets(directory: Path) -> list[Path]:
+    """Delete `engine-<pid>-*.sock` files whose process no longer runs (a killed gateway's)."""
+    removed = []
+    for path in directory.glob("engine-*-*.sock"):
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and len(pid) <= 7 and not _alive(int(pid)):  # NOTE: pids < 2**22
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # NOTE: someone else's process
+    return True
 
 
 class GatewaySockets:

@@ -155,6 +155,14 @@ def test_duplicate_request_id_is_rejected(make_core):
         add(core, "x", prompt(4))
 
 
+def test_context_is_lowered_to_what_the_pool_holds(make_core, caplog):
+    core = make_core(num_gpu_blocks=5, block_size=4)  # the model has 512 positions
+    assert core.max_model_len == 20 and core.scheduler.config.max_model_len == 20
+    assert "max_model_len lowered" in caplog.text
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        make_core(num_gpu_blocks=3, block_size=4)  # 12 tokens: not even a tiny context
+
+
 def test_request_larger_than_the_pool_is_rejected(make_core):
     core = make_core(num_gpu_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="KV blocks"):

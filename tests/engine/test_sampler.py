@@ -114,3 +114,20 @@ def test_logit_bias_is_added_before_sampling():
     plain = req(SamplingParams(temperature=0))
     out = sampler(fixed_logits(3), [banned, boosted, plain])
     assert out.token_ids == [1, 7, 0]
+
+
+def test_tiny_temperature_and_top_p_never_sample_from_a_nan_row():
+    # NOTE: random logits with a clear maximum away from id 0 (a NaN row's argmax is id 0)
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(7)) * 8
+    logits[0, 777] = 60.0
+    sampler = Sampler([], seed=0, device=torch.device("cpu"))
+    cases = [SamplingParams(temperature=t) for t in (1e-38, 1e-45, 1e-300, 1e-6)]
+    cases += [SamplingParams(temperature=t, top_p=p) for t in (1.0, 1e-3)
+              for p in (1e-300, 1e-45, 1e-9)]
+    for params in cases:
+        if not params.greedy:
+            probs = sampler.probs(logits, [params])
+            assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5, params
+        tokens = {sampler(logits, [req(params)]).token_ids[0] for _ in range(20)}
+        assert tokens == {777}, params  # what greedy gives
+    assert sampler(logits, [req(SamplingParams(temperature=0))]).token_ids == [777]

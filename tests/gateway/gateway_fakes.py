@@ -75,6 +75,7 @@ class FakeEngine:
         self.aborted_choices: list[tuple[str, int]] = []
         self.streams: dict[str, FakeStream] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._queued: set[str] = set()  # requests still in `first_delay` (the engine's queue)
 
     @property
     def num_inflight(self) -> int:
@@ -87,8 +88,9 @@ class FakeEngine:
         self.submitted.append(msg)
         self.streams[msg.request_id] = stream
         self._tasks[msg.request_id] = asyncio.create_task(self._feed(msg, stream))
-        self.stats = EngineStats(num_running=len(self._tasks), kv_blocks_total=64,
-                                 kv_blocks_free=64 - len(self._tasks))
+        if self.first_delay:
+            self._queued.add(msg.request_id)
+        self._update_stats()
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -114,14 +116,18 @@ class FakeEngine:
         self._update_stats()
 
     def _update_stats(self) -> None:
-        n = len(self._tasks)
-        self.stats = EngineStats(num_running=n, kv_blocks_total=64, kv_blocks_free=64 - n)
+        n, waiting = len(self._tasks), len(self._queued & self._tasks.keys())
+        self.stats = EngineStats(num_running=n - waiting, num_waiting=waiting,
+                                 kv_blocks_total=64, kv_blocks_free=64 - n)
 
     async def _feed(self, msg: AddRequest, stream: FakeStream) -> None:
         limit = msg.sampling.max_tokens or len(self.reply_ids)
         ids = self.reply_ids[:limit]
         choices = msg.sampling.num_choices
-        await asyncio.sleep(self.first_delay)
+        if self.first_delay:
+            await asyncio.sleep(self.first_delay)
+            self._queued.discard(msg.request_id)
+            self._update_stats()
         for i, token in enumerate(ids):
             await asyncio.sleep(self.interval)
             last = i == len(ids) - 1

@@ -122,3 +122,15 @@ async def test_fuzz_against_the_document(fake_engine: FakeEngine, label: str) ->
     assert any(key.startswith("200 ") for key in seen), seen
     if label.endswith("completions"):
         assert seen["200 application/json"] and seen["200 text/event-stream"], seen
+
+
+def test_the_request_limits_are_in_the_document() -> None:
+    schemas = openapi_document()["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    stop_string, stop_list = chat["stop"]["anyOf"][:2]
+    assert (stop_string["minLength"], stop_string["maxLength"]) == (1, 256)
+    assert stop_list["maxItems"] == 16 and stop_list["items"]["maxLength"] == 256
+    assert chat["stop_token_ids"]["anyOf"][0]["maxItems"] == 256
+    assert chat["request_id"]["anyOf"][0]["maxLength"] == 256
+    roles = schemas["ChatMessage"]["properties"]["role"]["enum"]
+    assert sorted(roles) == ["assistant", "developer", "system", "tool", "user"]

@@ -161,8 +161,8 @@ async def test_cancel_before_the_task_first_runs(fake_engine: FakeEngine) -> Non
     gw = Gateway(fake_engine, GatewaySettings(max_queued_requests=1))
     session = Session(gw, SimpleNamespace(headers={}))  # type: ignore[arg-type]
     session.state = State.OPEN
-    session._handle(json.dumps({"type": "generate", "id": "b", "request": REQUEST}))
-    session._handle(json.dumps({"type": "cancel", "id": "b"}))  # same loop turn: not started
+    await session._handle(json.dumps({"type": "generate", "id": "b", "request": REQUEST}))
+    await session._handle(json.dumps({"type": "cancel", "id": "b"}))  # the task has not run yet
     for _ in range(100):
         if not gw.generations and not session.tasks and not session.endings:
             break

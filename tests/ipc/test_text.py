@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import tokenizers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ipc.text import IncrementalDetokenizer, StopMatcher
 
@@ -176,3 +178,52 @@ def test_choice_text_drops_the_stop_tokens_text_unless_asked() -> None:
     text = ChoiceText(_CharTokenizer(), stop=["b!"])
     assert text.add(ids[:2]) == ("a", False)  # "b" may start the stop string: held back
     assert text.add(ids[2:]) == ("", True) and text.matched == "b!"
+# ---- StopMatcher against a naive reference -------------------------------------------------
+
+
+def _reference(text: str, stops: list[str], include: bool) -> tuple[str, bool, str | None]:
+    """Scan every end position: the first stop completed wins; at one end, the longest."""
+    for end in range(1, len(text) + 1):
+        done = [s for s in stops if text.endswith(s, 0, end)]
+        if done:
+            stop = max(done, key=len)
+            return text[: end if include else end - len(stop)], True, stop
+    return text, False, None
+
+
+def _held_reference(seen: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `seen` that is a proper prefix of a stop string."""
+    return max((n for s in stops for n in range(1, len(s)) if seen.endswith(s[:n])), default=0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.text(alphabet="abc ", max_size=40),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=5), min_size=1, max_size=8),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+    include=st.booleans(),
+)
+def test_stop_matcher_matches_a_naive_reference(text: str, stops: list[str], cuts: list[int],
+                                                include: bool) -> None:
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    matcher = StopMatcher(stops, include)
+    out, seen, stopped = "", "", False
+    for piece in pieces:
+        shown, stopped = matcher.push(piece)
+        out, seen = out + shown, seen + piece
+        if stopped:
+            break
+        # NOTE: exactly what may still start a stop string is held back, nothing more
+        assert out == seen[: len(seen) - _held_reference(seen, stops)]
+    if not stopped:
+        out += matcher.flush()
+    want, want_stopped, want_stop = _reference(text, stops, include)
+    assert (out, stopped, matcher.matched) == (want, want_stopped, want_stop)
+
+
+def test_a_long_stop_string_is_held_back_until_it_completes() -> None:
+    stops = [f"stop{i:04d}" for i in range(16)] + ["x" * 256]
+    matcher = StopMatcher(stops)
+    shown = "".join(matcher.push(c)[0] for c in "y" * 1000 + "x" * 255)
+    assert shown == "y" * 1000 and matcher.push("x") == ("", True) and matcher.matched == stops[-1]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,3 +101,18 @@ def test_runtime_dir_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("PAGEDSERVE_RUNTIME_DIR", str(tmp_path / "x"))
     assert transport.runtime_dir() == tmp_path / "x"
     assert (tmp_path / "x").is_dir()
+
+
+def test_socket_files_of_a_gone_gateway_are_removed(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_RUNTIME_DIR", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = [tmp_path / f"engine-{gone}-0123456789ab-{end}.sock" for end in ("in", "out")]
+    live = tmp_path / f"engine-{os.getpid()}-ba9876543210-in.sock"
+    other = tmp_path / "notes.sock"
+    for path in (*stale, live, other):
+        path.touch()
+    in_addr, _ = transport.default_addresses()
+    assert f"/engine-{os.getpid()}-" in in_addr
+    assert sorted(tmp_path.iterdir()) == sorted([live, other])

@@ -1,9 +1,8 @@
 """A WebSocket reader that stops reading (its TCP window fills): its deltas coalesce, then its
-outbox overflows and the session closes 1013 and ends its generations; other clients are
-unaffected. The app runs under uvicorn with the scripted engine; the slow client is a raw socket.
-
-NOTE: the overflow is acted on when the blocked send returns (here: when the reader reads
-again); a reader that never reads again is cut by the WebSocket keepalive ping timeout."""
+outbox overflows and the session closes 1013 and ends its generations at once, while a send to
+it is still blocked; other clients are unaffected. The app runs under uvicorn with the scripted
+engine (the tiny model cannot fill 1 MiB of frames fast enough); the slow client is a raw
+socket."""
 
 from __future__ import annotations
 
@@ -24,6 +23,8 @@ from gateway.app import build_app
 from gateway.service import GatewaySettings
 
 pytestmark = pytest.mark.timeout(60)
+# NOTE: the server's close frame: opcode 8, 17 bytes (code 1013 and "reader too slow")
+CLOSE_1013 = b"\x88\x11" + struct.pack("!H", 1013) + b"reader too slow"
 REQUEST = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20000}
 
 
@@ -80,16 +81,26 @@ class SlowReader:
                 continue
 
     def read_to_end(self) -> bytes:
+        """Read until the server closes; answer its close frame, as a WebSocket client does
+        (else the server waits out its close timeout, 10 s, for the closing handshake)."""
         self.sock.settimeout(10)
+        answered = False
         while chunk := self.sock.recv(1 << 20):
             self.received += chunk
+            if not answered and CLOSE_1013 in self.received:
+                mask = os.urandom(4)
+                code = struct.pack("!H", 1013)
+                self.sock.sendall(b"\x88\x82" + mask + bytes(b ^ mask[i] for i, b in
+                                                            enumerate(code)))
+                answered = True
         self.sock.close()
         return bytes(self.received)
 
 
 async def test_slow_reader_is_closed_1013_and_others_are_unaffected(
         bundled_tokenizer_dir: Path) -> None:
-    engine = FakeEngine(bundled_tokenizer_dir, reply="word " * 20000, interval=0.0,
+    # NOTE: about 20 s per generation: they still run, and the sender is stuck, at the overflow
+    engine = FakeEngine(bundled_tokenizer_dir, reply="word " * 20000, interval=0.001,
                         max_model_len=30000)
     app = build_app(engine, GatewaySettings(ws_send_queue=8))
     async with serve(app, send_buffer=4096) as url:
@@ -112,6 +123,14 @@ async def test_slow_reader_is_closed_1013_and_others_are_unaffected(
                 pass
             assert frame["status"] == "completed"
 
+        # NOTE: the reader still reads nothing: its generations end anyway, well before
+        # uvicorn's keepalive ping (20 s + 20 s) would cut it
+        gw = app.state.gateway
+        for _ in range(100):
+            if not gw.generations and engine.num_inflight == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert not gw.generations and engine.num_inflight == 0, "generations still run"
         data = await asyncio.to_thread(slow.read_to_end)
         frames = server_frames(data)
         texts = [json.loads(p) for op, p in frames if op == 1]
@@ -119,8 +138,3 @@ async def test_slow_reader_is_closed_1013_and_others_are_unaffected(
                    if f["type"] == "generation.delta"), "coalesced deltas carry many tokens"
         opcode, payload = frames[-1]
         assert opcode == 8 and struct.unpack("!H", payload[:2])[0] == 1013
-        for _ in range(100):
-            if not app.state.gateway.generations:
-                break
-            await asyncio.sleep(0.05)
-        assert not app.state.gateway.generations and engine.num_inflight == 0

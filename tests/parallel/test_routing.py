@@ -20,11 +20,12 @@ class _Engine:
     kv_free: int = 100
     ready: bool = True
     dead: bool = False
+    max_model_len: int = 512  # as the engine reports it: what its own KV pool holds
 
     @property
     def info(self) -> EngineReady:
-        return EngineReady(model="m", max_model_len=512, block_size=4, num_gpu_blocks=100,
-                           max_num_seqs=8)
+        return EngineReady(model="m", max_model_len=self.max_model_len, block_size=4,
+                           num_gpu_blocks=100, max_num_seqs=8)
 
     @property
     def stats(self) -> EngineStats:
@@ -80,3 +81,10 @@ def test_a_routed_prompt_counts_as_cached_until_reported() -> None:
     first = pool._choose(_req(prompt))
     pool.submit(_req(prompt))
     assert first.routed == 1 and pool._choose(_req(prompt)) is first
+
+
+def test_the_pool_reports_the_shortest_context_and_every_seat() -> None:
+    pool = _pool(_Engine("a", max_model_len=512), _Engine("b", max_model_len=96),
+                 _Engine("c", max_model_len=64, ready=False))
+    info = pool.info
+    assert info is not None and (info.max_model_len, info.max_num_seqs) == (96, 16)
