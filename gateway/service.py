@@ -159,6 +159,7 @@ class Gateway:
             include_usage=request.include_usage,
             cache_salt=request.cache_salt,
             echo=self._echo_text(request, prompt_index),
+            show_prompt_logprobs=request.prompt_logprobs is not None,
         )
 
     def start(self, job: Job) -> Generation:
