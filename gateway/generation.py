@@ -271,7 +271,7 @@ class Generation:
         e2e = self.finished_time - self.job.arrival
         reason = self.finish_reason or FINISH_ABORT
         self._metrics.e2e.observe(e2e)
-        self._metrics.requests.labels(finish_reason=reason).inc()
+        self._metrics.finished(reason)
         fields: dict[str, Any] = dict(
             request_id=self.job.request_id, kind=self.job.kind, model=self.job.model,
             finish_reason=reason, e2e_s=round(e2e, 4),

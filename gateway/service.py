@@ -58,7 +58,7 @@ class Gateway:
     draining: bool = False
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(lambda: self.client.stats)
+        self.metrics = Metrics(lambda: self.client.stats, lambda: self.model_name)
         self.generations: dict[str, Generation] = {}
         self.drain_listeners: list[Callable[[], None]] = []
         self._tokenizers: dict[str, Tokenizer] = {}
