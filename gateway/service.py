@@ -183,10 +183,12 @@ class Gateway:
                 self.tracer.record(gen)
 
     def cancel(self, request_id: str) -> bool:
-        if request_id not in self.generations:
-            return False
-        self.client.abort(request_id)
-        return True
+        """Abort a running request by its id (a batched request: all of its prompts)."""
+        ids = [rid for rid, g in self.generations.items()
+               if request_id in (rid, g.job.response_id)]
+        for rid in ids:
+            self.client.abort(rid)
+        return bool(ids)
 
     @property
     def num_waiting(self) -> int:

@@ -483,3 +483,18 @@ async def test_vllm_metric_names_beside_ours(fake_engine: FakeEngine) -> None:
     assert samples[("vllm:request_success_total",
                     (("finished_reason", "length"), ("model_name", "test-model")))] == 2
     assert samples[("pagedserve_time_to_first_token_seconds_count", ())] == 2
+
+
+async def test_cancel_a_batched_request_by_its_id(fake_engine: FakeEngine) -> None:
+    fake_engine.first_delay = 60.0
+    app = _app(fake_engine)
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as http:
+        call = asyncio.create_task(http.post("/v1/completions", json={
+            "prompt": ["a", "b"], "request_id": "batch-1"}))
+        while len(app.state.gateway.generations) < 2:
+            await asyncio.sleep(0.01)
+        assert (await http.post("/v1/requests/batch-1/cancel")).status_code == 200
+        reply = (await call).json()
+    assert reply["id"] == "batch-1"
+    assert [c["finish_reason"] for c in reply["choices"]] == ["abort", "abort"]
+    assert set(fake_engine.aborted) >= {"batch-1-0", "batch-1-1"}
