@@ -31,7 +31,8 @@ class GatewaySettings:
     tokenizer: str | None = None  # overrides EngineReady.tokenizer
     # NOTE: SSE `: ping` comments after this many seconds without an event; None: never.
     # Off by default: neither OpenAI nor vLLM sends any, and `vllm bench serve` strips each
-    # network read, so a ping that arrives alone glues itself to the next event (docs/api.md).
+    # network read, so a ping that arrives alone glues itself to the next event
+    # (docs/operations.md).
     sse_keepalive_interval: float | None = None
     drain_retry_after: int = 5
     ws_send_queue: int = 256  # frames queued per WebSocket before it is closed 1013
