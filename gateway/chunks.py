@@ -16,6 +16,7 @@ from gateway.protocol import (
     CompletionLogprobs,
     Delta,
     Message,
+    PromptLogprob,
     PromptTokensDetails,
     Timeline,
     TokenLogprobs,
@@ -55,6 +56,45 @@ class TokenNamer:
             offsets.append(offset)
             offset += len(text)
         return CompletionLogprobs(tokens, logprobs, tops, offsets)
+
+
+    def prompt_completion(self, prompt_ids: list[int], positions: list[PositionLogprobs],
+                          top: int) -> CompletionLogprobs:
+        """The prompt's part of echo + logprobs: its first token has no logprob."""
+        tokens = [self.text(t) for t in prompt_ids]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        logprobs: list[float | None] = [None] + [p.logprob for p in positions]
+        tops: list[dict[str, float] | None] = [None] + [
+            {self.text(t.token_id): t.logprob for t in p.top[:top]} for p in positions]
+        return CompletionLogprobs(tokens, logprobs, tops, offsets)
+
+    def vllm_prompt(
+        self, positions: list[PositionLogprobs]
+    ) -> list[dict[str, PromptLogprob] | None]:
+        """vLLM's prompt_logprobs: per prompt token, it and its top alternatives."""
+        out: list[dict[str, PromptLogprob] | None] = [None]
+        for p in positions:
+            entry = {str(t.token_id): PromptLogprob(t.logprob, rank, self.text(t.token_id))
+                     for rank, t in enumerate(p.top, start=1)}
+            entry[str(p.token_id)] = PromptLogprob(p.logprob, p.rank, self.text(p.token_id))
+            out.append(entry)
+        return out
+
+
+def _join(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(a.tokens + b.tokens, a.token_logprobs + b.token_logprobs,
+                              a.top_logprobs + b.top_logprobs, a.text_offset + b.text_offset)
+
+
+def _prompt_parts(gen: Generation, namer: TokenNamer, lp: CompletionLogprobs | None):
+    """A completion choice's logprobs with the prompt's in front (echo + logprobs), and its
+    vLLM prompt_logprobs (or UNSET)."""
+    job, positions = gen.job, gen.prompt_logprobs or []
+    if lp is not None and job.echo:
+        lp = _join(namer.prompt_completion(job.prompt_ids, positions,
+                                           job.sampling.logprobs or 0), lp)
+    shown = namer.vllm_prompt(positions) if job.show_prompt_logprobs else UNSET
+    return lp, shown
 
 
 def _bytes(text: str) -> list[int]:
@@ -120,9 +160,13 @@ class ChunkBuilder:
                                        timeline=timeline)
         self._sent_role.add(piece.index)
         offset = self._offset.get(piece.index, len(job.echo))
-        lp = self._namer.completion(piece.logprobs, offset) if wants_logprobs else None
+        wants_logprobs = wants_logprobs or (first and job.sampling.logprobs is not None)
+        lp = self._namer.completion(piece.logprobs or [], offset) if wants_logprobs else None
         self._offset[piece.index] = offset + len(piece.text)
-        choice = CompletionChoice(index, text, lp, piece.finish_reason)
+        prompt_lp = UNSET
+        if first:
+            lp, prompt_lp = _prompt_parts(self._gen, self._namer, lp)
+        choice = CompletionChoice(index, text, lp, piece.finish_reason, prompt_lp)
         return Completion(self._id, job.created, job.model, [choice], timeline=timeline)
 
 
@@ -180,7 +224,8 @@ class Accumulator:
                 out.append(ChatChoice(i, Message("assistant", text), lp, c.finish_reason))
             else:
                 lp = self._namer.completion(c.logprobs, len(job.echo)) if want else None
-                out.append(CompletionChoice(i, text, lp, c.finish_reason))
+                lp, prompt_lp = _prompt_parts(self._gen, self._namer, lp)
+                out.append(CompletionChoice(i, text, lp, c.finish_reason, prompt_lp))
         return out
 
 

@@ -78,6 +78,7 @@ class Job:
     echo: str = ""  # text shown before each choice's output (the request's `echo`)
     response_id: str | None = None  # the response's id when it differs (batched prompts)
     index_base: int = 0  # the response's index of choice 0 (batched prompts: p * n)
+    show_prompt_logprobs: bool = False  # the client asked vLLM's prompt_logprobs
 
 
 @dataclass
@@ -116,6 +117,8 @@ class Generation:
         self._texts = [ChoiceText(tokenizer, s.skip_special_tokens, s.stop,
                                   s.include_stop_str_in_output) for _ in range(s.num_choices)]
         self.choice_finish_reasons: list[str | None] = [None] * s.num_choices
+        # with sampling.prompt_logprobs: prompt tokens 1 .. P-1 (from choice 0's first delta)
+        self.prompt_logprobs: list[PositionLogprobs] | None = None
         self._stream = client.submit(
             AddRequest(
                 request_id=job.request_id,
@@ -198,6 +201,8 @@ class Generation:
         if not 0 <= i < len(self._texts) or self.choice_finish_reasons[i] is not None:
             return None  # NOTE: a choice that a stop string ended here; its abort is on the way
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.scheduled_time is not None:
             self.scheduled_time = delta.scheduled_time
             self._metrics.queue_time.observe(max(0.0, delta.scheduled_time - self.job.arrival))
@@ -261,7 +266,7 @@ class Generation:
         e2e = self.finished_time - self.job.arrival
         reason = self.finish_reason or FINISH_ABORT
         self._metrics.e2e.observe(e2e)
-        self._metrics.requests.labels(finish_reason=reason).inc()
+        self._metrics.finished(reason)
         fields: dict[str, Any] = dict(
             request_id=self.job.request_id, kind=self.job.kind, model=self.job.model,
             finish_reason=reason, e2e_s=round(e2e, 4),

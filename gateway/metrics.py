@@ -1,4 +1,9 @@
-"""Prometheus metrics with fixed names (dashboards rely on them); engine gauges read on scrape."""
+"""Prometheus metrics with fixed names (dashboards rely on them); engine gauges read on scrape.
+
+Beside our `pagedserve_*` names, the ones vLLM exports (`vllm:*`, label `model_name`) that we
+can fill truthfully, so routers that score model servers by them (the Gateway API Inference
+Extension, llm-d) work unchanged (docs/scale-out.md).
+"""
 
 from __future__ import annotations
 
@@ -44,11 +49,36 @@ _ENGINE_METRICS = (
 )
 
 
+# (kind, vLLM's name, help, EngineStats field), labelled by model_name as vLLM's are
+_VLLM_ENGINE_METRICS = (
+    (GaugeMetricFamily, "vllm:num_requests_running", "Requests in model execution batches",
+     "num_running"),
+    (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be processed",
+     "num_waiting"),
+    (GaugeMetricFamily, "vllm:num_requests_swapped", "Requests swapped to the CPU",
+     "num_swapped"),
+    (CounterMetricFamily, "vllm:num_preemptions", "Cumulative preemptions", "num_preemptions"),
+    (CounterMetricFamily, "vllm:prefix_cache_queries",
+     "Prefix cache queries, in tokens", "prefix_cache_queries"),
+    (CounterMetricFamily, "vllm:prefix_cache_hits", "Prefix cache hits, in tokens",
+     "prefix_cache_hits"),
+    (CounterMetricFamily, "vllm:prompt_tokens", "Prefill tokens processed", "prompt_tokens"),
+    (CounterMetricFamily, "vllm:generation_tokens", "Generation tokens processed",
+     "generation_tokens"),
+    (CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed",
+     "spec_draft_tokens"),
+    (CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+     "spec_accepted_tokens"),
+)
+
+
 class _EngineCollector(Collector):
     """Gauges and engine counters come straight from the latest EngineStats."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None],
+                 model: Callable[[], str | None]) -> None:
         self._stats = stats
+        self._model = model
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self._stats() or EngineStats()
@@ -68,6 +98,18 @@ class _EngineCollector(Collector):
         yield _labelled("pagedserve_spec_decode_accepted_by_position",
                         "Draft tokens accepted at each position of the proposal", "position",
                         {str(i): n for i, n in enumerate(s.spec_accepted_by_position)})
+        yield from self._vllm(s)
+
+    def _vllm(self, s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        model = [self._model() or ""]
+        for family, name, help_text, field in _VLLM_ENGINE_METRICS:
+            metric = family(name, help_text, labels=["model_name"])
+            metric.add_metric(model, getattr(s, field))
+            yield metric
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
+                                  "KV-cache usage: 1 means 100 percent", labels=["model_name"])
+        usage.add_metric(model, _ratio(s.kv_blocks_total - s.kv_blocks_free, s.kv_blocks_total))
+        yield usage
 
 
 def _ratio(part: float, whole: float) -> float:
@@ -82,29 +124,45 @@ def _labelled(name: str, help_text: str, label: str,
     return family
 
 
+class _Histograms:
+    """Ours and vLLM's name for one histogram, observed together."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...],
+                 registry: CollectorRegistry, model: Callable[[], str | None]) -> None:
+        self.ours = Histogram(f"pagedserve_{name}", help_text, buckets=buckets,
+                              registry=registry)
+        self.vllm = Histogram(f"vllm:{name}", help_text, ["model_name"], buckets=buckets,
+                              registry=registry)
+        self._model = model
+
+    def observe(self, value: float) -> None:
+        self.ours.observe(value)
+        self.vllm.labels(model_name=self._model() or "").observe(value)
+
+
+_VLLM_SUCCESS = ("stop", "length", "abort")  # vLLM counts these finishes as successes
+
+
 class Metrics:
     """One registry per app, so tests can build several apps in one process."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None],
+                 model: Callable[[], str | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(
-            "pagedserve_time_to_first_token_seconds", "Arrival to first output token",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.itl = Histogram(
-            "pagedserve_inter_token_latency_seconds", "Time between output tokens",
-            buckets=_TOKEN_BUCKETS, registry=r,
-        )
-        self.e2e = Histogram(
-            "pagedserve_e2e_request_latency_seconds", "Arrival to the last output",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.queue_time = Histogram(
-            "pagedserve_request_queue_time_seconds",
+        self._model = model
+        self.ttft = _Histograms("time_to_first_token_seconds", "Arrival to first output token",
+                                _LATENCY_BUCKETS, r, model)
+        self.itl = _Histograms("inter_token_latency_seconds", "Time between output tokens",
+                               _TOKEN_BUCKETS, r, model)
+        self.e2e = _Histograms("e2e_request_latency_seconds", "Arrival to the last output",
+                               _LATENCY_BUCKETS, r, model)
+        self.queue_time = _Histograms(
+            "request_queue_time_seconds",
             "Arrival at the gateway until the engine first schedules the request",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )
+            _LATENCY_BUCKETS, r, model)
+        self.vllm_success = Counter("vllm:request_success", "Successfully finished requests",
+                                    ["model_name", "finished_reason"], registry=r)
         self.prompt_tokens = Counter(
             "pagedserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r
         )
@@ -118,7 +176,14 @@ class Metrics:
         self.requests = Counter(
             "pagedserve_requests", "Finished requests", ["finish_reason"], registry=r
         )
-        r.register(_EngineCollector(stats))
+        r.register(_EngineCollector(stats, model))
+
+    def finished(self, reason: str) -> None:
+        """Count a finished request (by its finish reason)."""
+        self.requests.labels(finish_reason=reason).inc()
+        if reason in _VLLM_SUCCESS:
+            self.vllm_success.labels(model_name=self._model() or "",
+                                     finished_reason=reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -86,6 +86,7 @@ class _Common(msgspec.Struct, kw_only=True):
     use_beam_search: bool = False  # beam search of width n (outputs arrive when it ends)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
     echo: bool = False  # completions: the prompt first; chat: the last message, if assistant's
+    prompt_logprobs: NonNegInt | None = None  # completions: logprobs of the prompt's tokens
     length_penalty: float = 1.0  # with use_beam_search: scores divided by length ** this
 
     @property
@@ -193,6 +194,9 @@ def check_request(request: AnyRequest) -> None:
             raise ApiError(400, "messages must not be empty", "invalid_value", "messages")
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "invalid_value", "top_logprobs")
+        if request.prompt_logprobs is not None:
+            raise ApiError(400, "prompt_logprobs is only supported on /v1/completions",
+                           "unsupported_parameter", "prompt_logprobs")
         if request.continue_final_message and request.add_generation_prompt:
             raise ApiError(400, "continue_final_message needs add_generation_prompt=false",
                            "invalid_value", "continue_final_message")
@@ -216,6 +220,13 @@ def to_sampling(request: AnyRequest, max_tokens: int, max_logprobs: int) -> Samp
     if num_logprobs is not None and num_logprobs > max_logprobs:
         param = "top_logprobs" if isinstance(request, ChatCompletionRequest) else "logprobs"
         raise ApiError(400, f"{param} must be <= {max_logprobs}", "invalid_value", param)
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is not None and prompt_logprobs > max_logprobs:
+        raise ApiError(400, f"prompt_logprobs must be <= {max_logprobs}", "invalid_value",
+                       "prompt_logprobs")
+    if request.echo and num_logprobs is not None and isinstance(request, CompletionRequest):
+        # NOTE: echo with logprobs shows the prompt's tokens' logprobs too (lm-eval's path)
+        prompt_logprobs = max(prompt_logprobs or 0, num_logprobs)
     given = {
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -241,6 +252,7 @@ def to_sampling(request: AnyRequest, max_tokens: int, max_logprobs: int) -> Samp
             use_beam_search=request.use_beam_search,
             length_penalty=request.length_penalty,
             logit_bias=_logit_bias(request.logit_bias),
+            prompt_logprobs=prompt_logprobs,
             **{k: v for k, v in given.items() if v is not None},
         )
     except ValueError as exc:
@@ -309,9 +321,17 @@ class ChoiceLogprobs(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the first prompt token (with echo)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's prompt_logprobs entry for one token id."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
 
 
 class Message(msgspec.Struct):
@@ -364,6 +384,8 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    # vLLM's prompt_logprobs: per prompt token, {token id: entry}; None for the first token
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
 
 
 class Completion(msgspec.Struct):

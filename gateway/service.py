@@ -31,7 +31,8 @@ class GatewaySettings:
     tokenizer: str | None = None  # overrides EngineReady.tokenizer
     # NOTE: SSE `: ping` comments after this many seconds without an event; None: never.
     # Off by default: neither OpenAI nor vLLM sends any, and `vllm bench serve` strips each
-    # network read, so a ping that arrives alone glues itself to the next event (docs/api.md).
+    # network read, so a ping that arrives alone glues itself to the next event
+    # (docs/operations.md).
     sse_keepalive_interval: float | None = None
     drain_retry_after: int = 5
     ws_send_queue: int = 256  # frames queued per WebSocket before it is closed 1013
@@ -61,7 +62,7 @@ class Gateway:
     draining: bool = False
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(lambda: self.client.stats)
+        self.metrics = Metrics(lambda: self.client.stats, lambda: self.model_name)
         self.generations: dict[str, Generation] = {}
         self.drain_listeners: list[Callable[[], None]] = []
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -165,6 +166,7 @@ class Gateway:
             include_usage=request.include_usage,
             cache_salt=request.cache_salt,
             echo=self._echo_text(request, prompt_index),
+            show_prompt_logprobs=request.prompt_logprobs is not None,
         )
 
     def start(self, job: Job) -> Generation:
@@ -188,10 +190,12 @@ class Gateway:
                 self.tracer.record(gen)
 
     def cancel(self, request_id: str) -> bool:
-        if request_id not in self.generations:
-            return False
-        self.client.abort(request_id)
-        return True
+        """Abort a running request by its id (a batched request: all of its prompts)."""
+        ids = [rid for rid, g in self.generations.items()
+               if request_id in (rid, g.job.response_id)]
+        for rid in ids:
+            self.client.abort(rid)
+        return bool(ids)
 
     @property
     def num_waiting(self) -> int:

@@ -75,6 +75,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         if self.use_beam_search:
             _check(self.prompt_logprobs is None, "prompt_logprobs",
                    "is not supported with use_beam_search")
+            # NOTE: beams are chosen from the model's own logprobs, which the bias does not touch
+            _check(not self.logit_bias, "logit_bias", "is not supported with use_beam_search")
             _check(self.best_of is None, "best_of", "cannot be combined with use_beam_search")
             _check(self.logprobs is None, "logprobs", "is not supported with use_beam_search")
 

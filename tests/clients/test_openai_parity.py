@@ -80,3 +80,77 @@ def test_models_by_id(url: str) -> None:
     assert httpx.get(f"{url}/v1/models/{MODEL_NAME}").json()["id"] == MODEL_NAME
     missing = httpx.get(f"{url}/v1/models/nope")
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+
+def test_logit_bias_banning_the_greedy_token_changes_it(client: openai.OpenAI, url: str) -> None:
+    def ids_of(text: str) -> list[int]:
+        return httpx.post(f"{url}/tokenize", json={"prompt": text}).json()["tokens"]
+
+    def first(**extra) -> tuple[str, str]:
+        reply = client.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, max_tokens=1,
+                                          temperature=0, logprobs=0, **extra)
+        return reply.choices[0].text, reply.choices[0].logprobs.tokens[0]
+
+    _, token = first()
+    ids = ids_of(token)
+    assert len(ids) == 1
+    _, banned_token = first(logit_bias={str(ids[0]): -100})
+    assert banned_token != token
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user",
+                                                                       "content": "hi"}],
+                                          max_tokens=1, temperature=0)
+    greedy = chat.choices[0].message.content
+    greedy_ids = ids_of(greedy)
+    biased = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        temperature=0, logit_bias={str(greedy_ids[0]): -100})
+    assert biased.choices[0].message.content != greedy
+
+
+def test_batched_prompts(client: openai.OpenAI) -> None:
+    single = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=4,
+                                        temperature=0).choices[0].text
+              for p in ("Once upon", "The sky")]
+    batched = client.completions.create(model=MODEL_NAME, prompt=["Once upon", "The sky"],
+                                        max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in batched.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batched.choices] == [single[0]] * 2 + [single[1]] * 2
+    assert batched.usage.completion_tokens == 16
+
+
+def test_echo_logprobs_equal_the_engines_prompt_logprobs(client: openai.OpenAI, llm) -> None:
+    from engine import SamplingParams
+
+    local = llm.generate({"prompt_token_ids": PROMPT_IDS},
+                         SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    reply = client.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, max_tokens=1,
+                                      temperature=0, echo=True, logprobs=1)
+    lp = reply.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(PROMPT_IDS) + 1
+    for j in range(1, len(PROMPT_IDS)):
+        assert lp.token_logprobs[j] == pytest.approx(local.prompt_logprobs[j][PROMPT_IDS[j]],
+                                                     abs=1e-4)
+    assert reply.choices[0].text.endswith(local.text)
+    # vLLM's prompt_logprobs field, streamed: in each choice's first chunk
+    stream = client.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, max_tokens=2,
+                                       temperature=0, stream=True,
+                                       extra_body={"prompt_logprobs": 0})
+    firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in stream]
+    shown = firsts[0]
+    assert shown[0] is None and len(shown) == len(PROMPT_IDS)
+    for j in range(1, len(PROMPT_IDS)):
+        entry = shown[j][str(PROMPT_IDS[j])]
+        assert entry["logprob"] == pytest.approx(local.prompt_logprobs[j][PROMPT_IDS[j]],
+                                                 abs=1e-4)
+    assert all(f is None for f in firsts[1:])
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function":
+                                                             {"name": "f"}}]),
+    ("suffix", "the end"), ("guided_json", {"type": "object"})])
+def test_refused_fields_name_the_param(client: openai.OpenAI, field: str, value) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1,
+                                  extra_body={field: value})
+    assert err.value.status_code == 400 and err.value.body["param"] == field

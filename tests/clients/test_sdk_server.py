@@ -108,3 +108,21 @@ def test_chat_page_and_static_files(server_url: str) -> None:
         assert response.status_code == 200, path
     assert "javascript" in httpx.get(f"{server_url}/static/chat.js").headers["content-type"]
     assert httpx.get(f"{server_url}/static/nope.js").status_code == 404
+
+
+def test_models_tokenize_and_n_choices(server_url: str) -> None:
+    from pagedserve_client import Client, NotFoundError
+
+    with Client(server_url) as client:
+        model = client.models.list().data[0].id
+        assert client.models.retrieve(model).id == model
+        with pytest.raises(NotFoundError):
+            client.models.retrieve("no-such-model")
+        tokens = client.tokenize(prompt="Hello world")
+        assert tokens.count == len(tokens.tokens) and client.detokenize(tokens.tokens) == (
+            "Hello world")
+        reply = client.completions.create(prompt=["a", "b"], n=2, max_tokens=2,
+                                          echo=True, logprobs=0, temperature=0)
+        assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+        assert reply.choices[0].logprobs.token_logprobs[0] is None
+        assert reply.choices[2].text.startswith("b")

@@ -456,3 +456,45 @@ async def test_chat_extras(fake_engine: FakeEngine) -> None:
     cut = full[: full.rindex("Sure,") + len("Sure,")]
     assert fake_engine.submitted[-1].prompt_token_ids == tok.encode(cut)
     assert reply.choices[0].message.content == "Sure," + tok.decode(fake_engine.reply_ids[:2])
+
+
+async def test_vllm_metric_names_beside_ours(fake_engine: FakeEngine) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with serve(_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+        from ipc.messages import EngineStats
+
+        fake_engine.stats = EngineStats(num_running=3, num_waiting=2, kv_blocks_total=64,
+                                        kv_blocks_free=16, prefix_cache_queries=40,
+                                        prefix_cache_hits=10)
+        text = (await http.get("/metrics")).text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    model = (("model_name", "test-model"),)
+    assert samples[("vllm:num_requests_running", model)] == 3
+    assert samples[("vllm:num_requests_waiting", model)] == 2
+    assert samples[("vllm:kv_cache_usage_perc", model)] == 0.75
+    assert samples[("vllm:prefix_cache_queries_total", model)] == 40
+    assert samples[("vllm:prefix_cache_hits_total", model)] == 10
+    assert samples[("vllm:time_to_first_token_seconds_count", model)] == 2
+    assert samples[("vllm:e2e_request_latency_seconds_count", model)] == 2
+    assert samples[("vllm:request_success_total",
+                    (("finished_reason", "length"), ("model_name", "test-model")))] == 2
+    assert samples[("pagedserve_time_to_first_token_seconds_count", ())] == 2
+
+
+async def test_cancel_a_batched_request_by_its_id(fake_engine: FakeEngine) -> None:
+    fake_engine.first_delay = 60.0
+    app = _app(fake_engine)
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as http:
+        call = asyncio.create_task(http.post("/v1/completions", json={
+            "prompt": ["a", "b"], "request_id": "batch-1"}))
+        while len(app.state.gateway.generations) < 2:
+            await asyncio.sleep(0.01)
+        assert (await http.post("/v1/requests/batch-1/cancel")).status_code == 200
+        reply = (await call).json()
+    assert reply["id"] == "batch-1"
+    assert [c["finish_reason"] for c in reply["choices"]] == ["abort", "abort"]
+    assert set(fake_engine.aborted) >= {"batch-1-0", "batch-1-1"}

@@ -30,6 +30,8 @@ from pagedserve_client._types import (
     GenerationStatus,
     Model,
     ModelList,
+    PromptLogprob,
+    Tokenized,
     Usage,
 )
 from pagedserve_client._ws import Generation, WebSocketClient
@@ -39,7 +41,7 @@ __all__ = [
     "AsyncStream", "AuthenticationError", "BadRequestError", "ChatCompletion",
     "ChatCompletionChunk", "Client", "Completion", "ConflictError", "FinishReason", "Generation",
     "GenerationDone", "GenerationStatus", "InternalServerError", "Model", "ModelList",
-    "NotFoundError", "PagedServeError", "PermissionDeniedError", "RateLimitError",
+    "NotFoundError", "PagedServeError", "PermissionDeniedError", "PromptLogprob", "RateLimitError",
     "RequestTooLargeError", "SSEDecoder", "ServerSentEvent", "ServiceUnavailableError", "Stream",
-    "StreamError", "UnprocessableEntityError", "Usage", "WebSocketClient",
+    "StreamError", "Tokenized", "UnprocessableEntityError", "Usage", "WebSocketClient",
 ]

@@ -1,4 +1,5 @@
-"""`Client` (sync) and `AsyncClient` over httpx: chat completions, completions, models, cancel.
+"""`Client` (sync) and `AsyncClient` over httpx: chat completions, completions, models, cancel,
+tokenize/detokenize.
 
 Both retry 408/409/429/5xx and connection errors with backoff (honouring Retry-After) before any
 byte of a response reaches the caller; a stream already handed out is never retried.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Any, Literal, TypeVar, overload
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -21,12 +23,16 @@ from pagedserve_client._types import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
+    Model,
     ModelList,
+    Tokenized,
 )
 from pagedserve_client._ws import WebSocketClient
 
 T = TypeVar("T")
 Messages = list[dict[str, Any]]
+# a text, texts, token ids or token-id lists (several prompts: choice j of prompt p is p*n+j)
+Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class Client:
@@ -54,6 +60,15 @@ class Client:
         """Ask the server to abort a running request (by the X-Request-Id it returned)."""
         self.request("POST", f"/v1/requests/{request_id}/cancel", None).close()
         return True
+
+    def tokenize(self, **payload: Any) -> Tokenized:
+        """POST /tokenize (vLLM's): `prompt=` or `messages=` (as chat renders them)."""
+        response = self.request("POST", "/tokenize", payload)
+        return msgspec.json.decode(response.content, type=Tokenized)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """POST /detokenize: the text of token ids."""
+        return self.request("POST", "/detokenize", {"tokens": tokens}).json()["prompt"]
 
     def request(self, method: str, path: str, payload: dict[str, Any] | None,
                 stream: bool = False) -> httpx.Response:
@@ -120,6 +135,15 @@ class AsyncClient:
         await (await self.request("POST", f"/v1/requests/{request_id}/cancel", None)).aclose()
         return True
 
+    async def tokenize(self, **payload: Any) -> Tokenized:
+        """POST /tokenize (vLLM's): `prompt=` or `messages=` (as chat renders them)."""
+        response = await self.request("POST", "/tokenize", payload)
+        return msgspec.json.decode(response.content, type=Tokenized)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """POST /detokenize: the text of token ids."""
+        return (await self.request("POST", "/detokenize", {"tokens": tokens})).json()["prompt"]
+
     async def request(self, method: str, path: str, payload: dict[str, Any] | None,
                       stream: bool = False) -> httpx.Response:
         s = self.settings
@@ -185,12 +209,12 @@ class Completions:
         self._client = client
 
     @overload
-    def create(self, *, prompt: str | list[int], model: str | None = ...,
+    def create(self, *, prompt: Prompt, model: str | None = ...,
                stream: Literal[False] = ..., **params: Any) -> Completion: ...
     @overload
-    def create(self, *, prompt: str | list[int], model: str | None = ...,
+    def create(self, *, prompt: Prompt, model: str | None = ...,
                stream: Literal[True], **params: Any) -> Stream[Completion]: ...
-    def create(self, *, prompt: str | list[int], model: str | None = None, stream: bool = False,
+    def create(self, *, prompt: Prompt, model: str | None = None, stream: bool = False,
                **params: Any) -> Completion | Stream[Completion]:
         """POST /v1/completions."""
         payload = {"prompt": prompt, "model": model, "stream": stream, **params}
@@ -204,6 +228,11 @@ class Models:
     def list(self) -> ModelList:
         response = self._client.request("GET", "/v1/models", None)
         return msgspec.json.decode(response.content, type=ModelList)
+
+    def retrieve(self, model_id: str) -> Model:
+        """GET /v1/models/{id} (NotFoundError for another id)."""
+        response = self._client.request("GET", f"/v1/models/{quote(model_id, safe='/')}", None)
+        return msgspec.json.decode(response.content, type=Model)
 
 
 class AsyncChatCompletions:
@@ -233,12 +262,12 @@ class AsyncCompletions:
         self._client = client
 
     @overload
-    async def create(self, *, prompt: str | list[int], model: str | None = ...,
+    async def create(self, *, prompt: Prompt, model: str | None = ...,
                      stream: Literal[False] = ..., **params: Any) -> Completion: ...
     @overload
-    async def create(self, *, prompt: str | list[int], model: str | None = ...,
+    async def create(self, *, prompt: Prompt, model: str | None = ...,
                      stream: Literal[True], **params: Any) -> AsyncStream[Completion]: ...
-    async def create(self, *, prompt: str | list[int], model: str | None = None,
+    async def create(self, *, prompt: Prompt, model: str | None = None,
                      stream: bool = False, **params: Any) -> Completion | AsyncStream[Completion]:
         payload = {"prompt": prompt, "model": model, "stream": stream, **params}
         return await self._client._create("/v1/completions", payload, Completion, Completion)
@@ -251,3 +280,9 @@ class AsyncModels:
     async def list(self) -> ModelList:
         response = await self._client.request("GET", "/v1/models", None)
         return msgspec.json.decode(response.content, type=ModelList)
+
+    async def retrieve(self, model_id: str) -> Model:
+        """GET /v1/models/{id} (NotFoundError for another id)."""
+        path = f"/v1/models/{quote(model_id, safe='/')}"
+        response = await self._client.request("GET", path, None)
+        return msgspec.json.decode(response.content, type=Model)

@@ -101,9 +101,15 @@ class ChatCompletionChunk(_Base):
 
 class CompletionLogprobs(_Base):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []  # None: the first prompt token (echo + logprobs)
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
+
+
+class PromptLogprob(_Base):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str = ""
 
 
 class CompletionChoice(_Base):
@@ -111,6 +117,8 @@ class CompletionChoice(_Base):
     text: str = ""
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # with vLLM's prompt_logprobs: per prompt token {token id: entry}, None for the first
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Completion(_Base):
@@ -141,10 +149,20 @@ class ModelList(_Base):
     object: str = "list"
 
 
+class Tokenized(_Base):
+    """`POST /tokenize`'s answer."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
 class GenerationDone(_Base):
     """The `generation.done` frame of a WebSocket generation."""
 
     id: str
     status: str
     finish_reason: str | None = None
+    finish_reasons: list[str | None] = []  # one per choice (n > 1)
     usage: Usage | None = None

@@ -6,8 +6,8 @@ import { APIConnectionError, APITimeoutError, APIUserAbortError, statusError } f
 import { retryDelayMs, shouldRetry, sleep } from './retry.js';
 import { Stream } from './streaming.js';
 import type {
-  ChatCompletion, ChatCompletionChunk, ChatCompletionParams, Completion, CompletionParams,
-  ModelList, RequestOptions,
+  ChatCompletion, ChatCompletionChunk, ChatCompletionParams, ChatMessageParam, Completion,
+  CompletionParams, Model, ModelList, RequestOptions, Tokenized,
 } from './types.js';
 import { WebSocketClient, type WebSocketOptions } from './ws.js';
 
@@ -49,7 +49,21 @@ export class PagedServe {
   readonly models = {
     list: async (options?: RequestOptions): Promise<ModelList> =>
       (await this.request('GET', '/v1/models', undefined, options)).response.json() as Promise<ModelList>,
+    /** GET /v1/models/{id}; a NotFoundError for another id. */
+    retrieve: async (id: string, options?: RequestOptions): Promise<Model> =>
+      (await this.request('GET', `/v1/models/${encodeURIComponent(id)}`, undefined, options)).response.json() as Promise<Model>,
   };
+
+  /** POST /tokenize (vLLM's): `{ prompt }` or `{ messages }` (rendered as chat renders them). */
+  async tokenize(body: { prompt: string } | { messages: ChatMessageParam[]; [extra: string]: unknown }, options?: RequestOptions): Promise<Tokenized> {
+    return (await this.request('POST', '/tokenize', body, options)).response.json() as Promise<Tokenized>;
+  }
+
+  /** POST /detokenize: the text of token ids. */
+  async detokenize(tokens: number[], options?: RequestOptions): Promise<string> {
+    const out = await (await this.request('POST', '/detokenize', { tokens }, options)).response.json() as { prompt: string };
+    return out.prompt;
+  }
 
   constructor(options: ClientOptions = {}) {
     const base = options.baseURL ?? globalThis.location?.origin ?? 'http://127.0.0.1:8000';

@@ -24,6 +24,13 @@ export interface CommonParams {
   frequency_penalty?: number;
   repetition_penalty?: number;
   ignore_eos?: boolean;
+  /** Choices per prompt (indexed 0 .. n-1; usage sums them). */
+  n?: number;
+  /** Token id (as a string) -> bias in [-100, 100], added to its logit. */
+  logit_bias?: Record<string, number>;
+  echo?: boolean;
+  use_beam_search?: boolean;
+  length_penalty?: number;
   stream_options?: { include_usage?: boolean };
   [extra: string]: unknown;
 }
@@ -33,11 +40,17 @@ export interface ChatCompletionParams extends CommonParams {
   max_completion_tokens?: number;
   logprobs?: boolean;
   top_logprobs?: number;
+  add_generation_prompt?: boolean;
+  continue_final_message?: boolean;
+  chat_template_kwargs?: Record<string, unknown>;
 }
 
 export interface CompletionParams extends CommonParams {
-  prompt: string | number[];
+  /** A text, texts, token ids or token-id lists (choice j of prompt p has index p * n + j). */
+  prompt: string | string[] | number[] | number[][];
   logprobs?: number;
+  best_of?: number;
+  prompt_logprobs?: number;
 }
 
 export interface Usage {
@@ -70,7 +83,11 @@ export interface Completion {
   object: 'text_completion' | (string & {});
   created: number;
   model: string;
-  choices: { index: number; text: string; finish_reason: FinishReason | null; logprobs?: unknown }[];
+  choices: {
+    index: number; text: string; finish_reason: FinishReason | null; logprobs?: unknown;
+    /** vLLM's prompt_logprobs: per prompt token {token id: entry}; null for the first. */
+    prompt_logprobs?: (Record<string, { logprob: number; rank: number | null; decoded_token: string }> | null)[];
+  }[];
   usage?: Usage | null;
 }
 
@@ -80,6 +97,14 @@ export interface Model {
   created: number;
   owned_by: string;
   max_model_len?: number | null;
+}
+
+/** `POST /tokenize`'s answer (vLLM's shape). */
+export interface Tokenized {
+  count: number;
+  max_model_len: number;
+  tokens: number[];
+  token_strs?: string[] | null;
 }
 
 export interface ModelList {
@@ -92,6 +117,8 @@ export interface GenerationDone {
   id: string;
   status: GenerationStatus;
   finish_reason: FinishReason | null;
+  /** One per choice (n > 1), in index order. */
+  finish_reasons?: (FinishReason | null)[];
   usage?: Usage | null;
 }
 

@@ -28,6 +28,17 @@ describe('PagedServe against a real server', () => {
     expect(chunks.at(-1)?.usage?.completion_tokens).toBe(5);
   });
 
+  it('retrieves the model, tokenizes and answers several choices and prompts', async () => {
+    expect((await client.models.retrieve('tiny-llama')).id).toBe('tiny-llama');
+    await expect(client.models.retrieve('nope')).rejects.toBeInstanceOf(ps.NotFoundError);
+    const tokens = await client.tokenize({ prompt: 'Hello world' });
+    expect(tokens.count).toBe(tokens.tokens.length);
+    expect(await client.detokenize(tokens.tokens)).toBe('Hello world');
+    const reply = await client.completions.create({ prompt: ['a', 'b'], n: 2, max_tokens: 2, temperature: 0 });
+    expect(reply.choices.map((c) => c.index)).toEqual([0, 1, 2, 3]);
+    expect(reply.usage?.completion_tokens).toBe(8);
+  });
+
   it('cancels a stream on break', async () => {
     const stream = await client.completions.create({ prompt: 'Once', stream: true, ...LONG });
     let n = 0;

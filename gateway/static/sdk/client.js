@@ -21,7 +21,18 @@ export class PagedServe {
     };
     models = {
         list: async (options) => (await this.request('GET', '/v1/models', undefined, options)).response.json(),
+        /** GET /v1/models/{id}; a NotFoundError for another id. */
+        retrieve: async (id, options) => (await this.request('GET', `/v1/models/${encodeURIComponent(id)}`, undefined, options)).response.json(),
     };
+    /** POST /tokenize (vLLM's): `{ prompt }` or `{ messages }` (rendered as chat renders them). */
+    async tokenize(body, options) {
+        return (await this.request('POST', '/tokenize', body, options)).response.json();
+    }
+    /** POST /detokenize: the text of token ids. */
+    async detokenize(tokens, options) {
+        const out = await (await this.request('POST', '/detokenize', { tokens }, options)).response.json();
+        return out.prompt;
+    }
     constructor(options = {}) {
         const base = options.baseURL ?? globalThis.location?.origin ?? 'http://127.0.0.1:8000';
         this.baseURL = base.replace(/\/+$/, '').replace(/\/v1$/, '');
