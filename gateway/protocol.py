@@ -268,6 +268,9 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         if not key.isdigit():
             raise ApiError(400, f"logit_bias keys are token ids; got `{key}`", "invalid_value",
                            "logit_bias")
+        if not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias values must be in [-100, 100]; got {value}",
+                           "invalid_value", f"logit_bias.{key}")
         out.append((int(key), float(value)))
     return tuple(sorted(out))
 

@@ -278,6 +278,10 @@ class Gateway:
             if token >= vocab:
                 raise ApiError(400, f"stop_token_ids must be < {vocab} (the vocabulary)",
                                "invalid_value", f"stop_token_ids[{i}]")
+        for key in request.logit_bias or {}:
+            if int(key) >= vocab:  # NOTE: keys are digit strings (protocol checked them)
+                raise ApiError(400, f"logit_bias keys must be token ids < {vocab} (the "
+                               "vocabulary)", "invalid_value", f"logit_bias.{key}")
 
 
 # NOTE: encoding about 50k characters takes about 50 ms here; shorter texts stay on the loop

@@ -154,6 +154,14 @@ def test_every_id_field_is_checked(http: httpx.Client) -> None:
     error = _error(http.post("/v1/completions", json={"prompt": "hi", "stop_token_ids": [-1]}),
                    400)
     assert error["param"] == "stop_token_ids[0]"
+    error = _error(http.post("/v1/completions",
+                             json={"prompt": "hi", "logit_bias": {"5": 1, "49159": -100}}), 400)
+    assert (error["param"], error["code"]) == ("logit_bias.49159", "invalid_value")
+    error = _error(http.post("/v1/completions",
+                             json={"prompt": "hi", "logit_bias": {"5": 101}}), 400)
+    assert error["param"] == "logit_bias.5"
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                              "logit_bias": {"5": -100}}).status_code == 200
 
 
 # ---- 5. tiny temperature and top_p ----------------------------------------------------------
