@@ -57,6 +57,10 @@ class EngineConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"}
     )
+    enable_window_freeing: bool = field(
+        default=True, metadata={"help": "release KV blocks older than the sliding window when "
+                                        "every layer of the model is windowed"}
+    )
     swap_space: float = field(
         default=4.0, metadata={"help": "GiB of host memory for swapping out preempted requests"}
     )

@@ -1,4 +1,4 @@
-"""Load a Llama-family model from a local HF directory (safetensors) or a GGUF file."""
+"""Load a model (Llama layout or Gemma) from a local HF directory (safetensors) or a GGUF file."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.models.config import ModelConfig, from_hf_config
+from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from ipc.model_source import ModelSource
 
@@ -25,10 +26,15 @@ def load_model(
         cfg = from_hf_config(source.path)
         weights = _safetensors_weights(source.path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(weights)
     return model.eval().requires_grad_(False), cfg
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
+    """The decoder for the config: Gemma's layout, or Llama's (every other family)."""
+    return GemmaForCausalLM if cfg.sandwich_norms else LlamaForCausalLM
 
 
 def _safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
