@@ -47,13 +47,15 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def build_family(name: str, path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """Save family `name` as random-weight HF safetensors with the bundled tokenizer."""
+def build_family(name: str, path: Path, tokenizer_dir: Path, seed: int = 0,
+                 **extra: Any) -> Path:
+    """Save family `name` (config fields changed by `extra`) as random-weight HF
+    safetensors with the bundled tokenizer."""
     import torch
     import transformers
 
     config_cls, model_cls, overrides = FAMILIES[name]
-    config = getattr(transformers, config_cls)(**(_COMMON | overrides))
+    config = getattr(transformers, config_cls)(**(_COMMON | overrides | extra))
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(torch.float32)
     with torch.no_grad():  # larger logits spread: fewer near-ties in greedy parity checks

@@ -166,14 +166,14 @@ def _rope(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         scaling = dict(scaling)
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind in ("su", "longrope"):
-            out.update(_longrope(cfg, scaling))
+            out.update(longrope_context(cfg, scaling))
         if float(scaling.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1:
             raise ValueError("partial_rotary_factor below 1 is not supported")
     out["rope_scaling"] = scaling
     return out
 
 
-def _longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+def longrope_context(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
     """Phi-3's su/longrope: the short factor only, so the context stops at the original
     length (HF switches to the long factor past it)."""
     original = scaling.get("original_max_position_embeddings") or cfg.get(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_families import FAMILIES, WINDOW, build_family
+from tiny_gguf import ARCHS, write_gguf
 
 from engine import LLM, SamplingParams
 from engine.kv_manager import held
@@ -140,3 +141,37 @@ def test_a_long_windowed_request_holds_a_bounded_number_of_blocks(family_dirs):
         assert most <= bound if bound is not None else most == total, (name, most)
         stats = engine.stats()
         assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+# NOTE: llama.cpp scales Gemma's queries by head_dim ** -0.5 (query_pre_attn_scalar is no GGUF
+# key): these checkpoints set it to the head dim, as the released 2B/9B/270M models do.
+GGUF_EXTRA = {"gemma2": {"query_pre_attn_scalar": 16}, "gemma3": {"query_pre_attn_scalar": 16}}
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_gguf_of_each_family_gives_the_safetensors_tokens(name, tmp_path, bundled_tokenizer_dir,
+                                                          monkeypatch):
+    """The checkpoint written by the `gguf` writer under the family's architecture loads to
+    the same tokens as its safetensors (and as HF on those)."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    hf_dir = build_family(name, tmp_path / "hf", bundled_tokenizer_dir, **GGUF_EXTRA.get(name, {}))
+    path = write_gguf(hf_dir, tmp_path / f"{name}.gguf", ARCHS[name])
+    from_st = LLM(model=str(hf_dir))
+    st_tokens = run(from_st)
+    check(from_st, st_tokens, _hf_generate(hf_dir), f"{name} safetensors")
+    from_gguf = LLM(model=str(path), tokenizer=str(hf_dir))
+    assert from_gguf.engine.model_config.layer_windows == from_st.engine.model_config.layer_windows
+    check(from_gguf, run(from_gguf), st_tokens, f"{name} GGUF")
+
+
+def _hf_generate(model_dir) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs = []
+    for ids in PROMPTS:
+        inp = torch.tensor([ids])
+        out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
+                             max_new_tokens=MAX_NEW, pad_token_id=2)
+        refs.append(out[0, len(ids):].tolist())
+    return refs
