@@ -29,6 +29,7 @@ class GatewaySettings:
     allowed_origins: tuple[str, ...] = ()  # CORS and WebSocket Origin allow-list
     max_body_bytes: int = 4 * 1024 * 1024
     tokenizer: str | None = None  # overrides EngineReady.tokenizer
+    chat_template: str | None = None  # a template's text, instead of the tokenizer's own
     max_logprobs: int = 20
     ping_interval: float = 1.0  # SSE `: ping` while nothing arrives
     drain_retry_after: int = 5
@@ -86,7 +87,7 @@ class Gateway:
         if not path:
             raise unavailable("the engine did not report a tokenizer", "engine_unavailable")
         if path not in self._tokenizers:
-            self._tokenizers[path] = Tokenizer(path)
+            self._tokenizers[path] = Tokenizer(path, self.settings.chat_template)
         return self._tokenizers[path]
 
     def namer(self) -> TokenNamer:

@@ -289,3 +289,22 @@ async def test_a_bug_is_a_json_500(fake_engine: FakeEngine) -> None:
         response = await http.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == 500
     assert response.json()["error"]["code"] == "internal_error"
+
+
+async def test_chat_without_a_template_is_400_unless_one_is_given(tmp_path, tokenizer_dir):
+    """A base model (no template in its tokenizer files) serves /v1/completions only, unless
+    the gateway was started with --chat-template FILE."""
+    (tmp_path / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    engine = FakeEngine(tmp_path)
+    async with serve(_app(engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        r = await http.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "chat_template_missing"
+        assert r.json()["error"]["param"] == "messages"
+        r = await http.post("/v1/completions", json={"model": "test-model", "prompt": "hi"})
+        assert r.status_code == 200
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    async with serve(_app(FakeEngine(tmp_path), chat_template=template)) as url, \
+            httpx.AsyncClient(base_url=url) as http:
+        r = await http.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY
