@@ -82,3 +82,11 @@ def test_fork_and_copy_on_write_with_released_entries():
     kv.free(parent)
     kv.free(child)
     assert kv.num_free_blocks == 10
+
+
+def test_the_bench_counts_fewer_blocks_with_window_freeing():
+    from bench.kv_memory import window_freeing
+
+    r = window_freeing(window=64, total_tokens=1024, block_size=16, chunk=32, prompt_len=100)
+    assert r["no_freeing"]["peak_blocks"] == 64
+    assert r["freeing"]["peak_blocks"] <= r["freeing"]["bound"] == 7  # (63 + 32) / 16 + 1
