@@ -20,7 +20,8 @@ class GemmaDecoderLayer(torch.nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.mlp = MLP(cfg)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.local_rope = cfg.local_rope_theta is not None and cfg.window(layer_idx) is not None
+        self.uses_local_rope = (cfg.local_rope_theta is not None
+                                and cfg.window(layer_idx) is not None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeTables):
         """As DecoderLayer's: (this layer's output, the residual stream before it). HF:

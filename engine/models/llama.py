@@ -200,7 +200,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         # Gemma 3: the windowed layers rotate with the local rope base
-        self.local_rope = cfg.local_rope_theta is not None and cfg.window(layer_idx) is not None
+        self.uses_local_rope = (cfg.local_rope_theta is not None
+                                and cfg.window(layer_idx) is not None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeTables):
         """x: the previous layer's output (the embedding at layer 0, residual None). Returns
@@ -274,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
             positions, x.dtype, self.fused_cpu_ops)
         residual = None
         for layer in self.layers[:num_layers]:
-            x, residual = layer(x, residual, local if layer.local_rope else rope)
+            x, residual = layer(x, residual, local if layer.uses_local_rope else rope)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def set_fused_cpu_ops(self, on: bool) -> None:

@@ -58,7 +58,9 @@ def _gguf_dequantized(source: ModelSource) -> tuple[ModelConfig, Iterator]:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    cache = source.cache_dir() / "weights-float32.safetensors"
+    # NOTE: v2: the config grew the model-family fields (windows, norms, soft-caps); a cache
+    # written by an older build lacks them, so it is not read
+    cache = source.cache_dir() / "weights-float32-v2.safetensors"
     if not cache.is_file():
         reader = _open_gguf(source.path)
         cfg = gguf_config(reader)
@@ -71,7 +73,7 @@ def _gguf_dequantized(source: ModelSource) -> tuple[ModelConfig, Iterator]:
     with safe_open(str(cache), framework="pt") as f:
         raw = json.loads(f.metadata()["config"])
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
-    raw["layer_windows"] = tuple(raw["layer_windows"])
+    raw["layer_windows"] = tuple(raw["layer_windows"])  # JSON made the tuples lists
     return ModelConfig(**raw), _safetensors_file(cache)
 
 
