@@ -24,7 +24,8 @@ class EngineConfig:
 
     model: str | None = field(
         default=None,
-        metadata={"help": "HF model directory or .gguf file (default: the bundled SmolLM2-135M)"},
+        metadata={"help": "HF model directory or .gguf file, or gemma3-270m (the gemma3 extra) "
+                          "(default: the bundled SmolLM2-135M)"},
     )
     tokenizer: str | None = field(
         default=None, metadata={"help": "tokenizer directory (default: the model's own)"}
