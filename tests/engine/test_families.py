@@ -175,3 +175,14 @@ def _hf_generate(model_dir) -> list[list[int]]:
                              max_new_tokens=MAX_NEW, pad_token_id=2)
         refs.append(out[0, len(ids):].tolist())
     return refs
+
+
+@pytest.mark.parametrize("draft", ["phi3", "llama3"])
+def test_a_separate_draft_model_shares_the_windowed_tables(draft, family_dirs, hf_tokens):
+    """The draft's caches live under the target's block tables: blocks are released only
+    behind a window both models keep (Phi-3's 24), never with a global draft (Llama)."""
+    llm = LLM(model=str(family_dirs("mistral")), speculative_method="draft",
+              speculative_model=str(family_dirs(draft)), num_speculative_tokens=3)
+    assert llm.engine.kv.window == (WINDOW if draft == "phi3" else None)
+    check(llm, run(llm), hf_tokens("mistral"), f"mistral with a {draft} draft")
+    assert llm.engine.stats().spec_verify_steps > 0
