@@ -1,14 +1,18 @@
 """KV memory benchmarks: utilization and concurrency of the paged allocator against a naive
 allocator that reserves max_model_len slots per request, and TTFT with a shared system prompt,
-prefix cache warm against off.
+prefix cache warm against off, and the blocks a long sliding-window request holds with and
+without window freeing.
 
     python -m bench.kv_memory [--num-requests 200] [--budget-tokens 32768] [--ttft-runs 5]
+                              [--window 4096] [--window-tokens 16384]
 
 Utilization and concurrency run the real Scheduler and KVCacheManager on the mixed workload
 (outputs of 16 to 2,000 tokens) with sampling replaced by a fixed token: the allocator's
 behaviour does not depend on which tokens come out. The naive allocator is the same scheduler
 with one block of max_model_len tokens per request, i.e. a whole context reserved up front.
-TTFT runs the bundled model in-process.
+TTFT runs the bundled model in-process. Window freeing runs one long request through the real
+Scheduler and KVCacheManager with the window (every layer windowed, as Mistral) and without
+(what a model with any global layer, such as Gemma 2/3, must keep), same run.
 """
 
 from __future__ import annotations
@@ -56,6 +60,33 @@ def simulate(specs, block_size: int, budget_tokens: int, max_model_len: int) -> 
             "preemptions": sched.num_preemptions}
 
 
+def window_freeing(window: int, total_tokens: int, block_size: int = 16,
+                   chunk: int = 512, prompt_len: int = 1024) -> dict:
+    """Peak and final KV blocks held by one request of total_tokens (prompt_len prompt, the
+    rest generated), with blocks behind the window released and without."""
+    result = {}
+    for label, w in (("freeing", window), ("no_freeing", None)):
+        kv = KVCacheManager(-(-total_tokens // block_size) + 1, block_size,
+                            enable_prefix_caching=False, window=w)
+        sched = Scheduler(SchedulerConfig(8, chunk, total_tokens + 1), kv, eos_token_ids=[])
+        out_len = total_tokens - prompt_len
+        params = SamplingParams(max_tokens=out_len, ignore_eos=True)
+        sched.add(Request("long", [7] * prompt_len, params, max_tokens=out_len))
+        peak = 0
+        while sched.has_unfinished():
+            out = sched.schedule()
+            sched.update(out, SamplerOutput([7] * len(out.sampling), [None] * len(out.sampling)))
+            peak = max(peak, kv.pool.num_blocks - kv.num_free_blocks)
+        assert kv.num_free_blocks == kv.pool.num_blocks  # KV blocks balance
+        result[label] = {"peak_blocks": peak, "bound": kv.max_blocks_held(total_tokens, chunk)}
+    result["ratio"] = result["no_freeing"]["peak_blocks"] / result["freeing"]["peak_blocks"]
+    return result
+
+
+# NOTE: Mistral-7B's KV shape (32 layers, 8 KV heads of 128, bf16): bytes of one 16-token block
+MISTRAL_7B_BLOCK_BYTES = 2 * 32 * 8 * 128 * 2 * 16
+
+
 def ttft(runs: int, prefix_len: int) -> dict:
     from engine.core import EngineCore
     from ipc.config import EngineConfig
@@ -95,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--ttft-runs", type=int, default=5, help="0 skips the TTFT part")
     p.add_argument("--prefix-len", type=int, default=1500)
+    p.add_argument("--window", type=int, default=4096, help="sliding window (Mistral's)")
+    p.add_argument("--window-tokens", type=int, default=16384,
+                   help="length of the long windowed request (0 skips the part)")
     args = p.parse_args(argv)
     specs = make_workload("mixed", args.num_requests, seed=0,
                           max_total_len=args.max_model_len)
@@ -111,6 +145,14 @@ def main(argv: list[str] | None = None) -> None:
               f"steps {r['steps']}  preemptions {r['preemptions']}")
     print(f"  requests held at once under load, same budget: {report['concurrency_ratio']:.1f}x "
           "the naive allocator's")
+    if args.window_tokens:
+        w = report["window"] = window_freeing(args.window, args.window_tokens, args.block_size)
+        mib = MISTRAL_7B_BLOCK_BYTES / 2**20
+        print(f"one request of {args.window_tokens} tokens, window {args.window} on every layer:"
+              f" peak KV blocks {w['freeing']['peak_blocks']} with window freeing (bound "
+              f"{w['freeing']['bound']}), {w['no_freeing']['peak_blocks']} without: "
+              f"{w['ratio']:.1f}x fewer ({w['freeing']['peak_blocks'] * mib:.0f} MiB against "
+              f"{w['no_freeing']['peak_blocks'] * mib:.0f} MiB at Mistral-7B's KV shape)")
     if args.ttft_runs:
         report["ttft"] = ttft(args.ttft_runs, args.prefix_len)
         t = report["ttft"]

@@ -13,6 +13,7 @@ import torch
 
 from engine.allocator import tune_malloc
 from engine.kv_manager import KVCacheManager
+from engine.models.config import ModelConfig
 from engine.models.cpu_linear import pack_linears, resolve_mode
 from engine.models.loader import load_model
 from engine.preemption import PreemptionCost
@@ -46,7 +47,7 @@ class EngineCore:
         self.model_name = source.name
         self.tokenizer_dir = str(tokenizer_dir(source, config.tokenizer))
         model, self.model_config = _load_model(config, source, self.dtype, self.device)
-        self.max_model_len = _max_model_len(config, self.model_config.max_position_embeddings)
+        self.max_model_len = _max_model_len(config, self.model_config)
         self.block_size = config.block_size
         self.num_gpu_blocks = self._num_blocks(model)
         model_len = self.max_model_len
@@ -58,8 +59,10 @@ class EngineCore:
         kv_bytes = self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize
         block_bytes = self.block_size * kv_bytes
         self.num_cpu_blocks = int(config.swap_space * 2**30 // block_bytes)
+        draft_model = self._draft_model(config)
         self.kv = KVCacheManager(self.num_gpu_blocks, self.block_size,
-                                 config.enable_prefix_caching, self.num_cpu_blocks)
+                                 config.enable_prefix_caching, self.num_cpu_blocks,
+                                 self._kv_window(config, draft_model))
         # NOTE: counted before packing: packed weights are not Parameters
         self.num_params = sum(p.numel() for p in model.parameters())
         self.cpu_linear = self._pack(model)
@@ -74,7 +77,6 @@ class EngineCore:
         )
         sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         backend = get_backend(config.attention_backend, self.device.type)
-        draft_model = self._draft_model(config)
         if getattr(backend, "FUSED_CPU_OPS", False) and config.tensor_parallel_size == 1:
             for m in (model, draft_model):
                 if m is not None:
@@ -167,6 +169,15 @@ class EngineCore:
         self._pack(draft)
         return draft
 
+    def _kv_window(self, config: EngineConfig, draft) -> int | None:
+        """The window behind which KV blocks are released: every layer's of the model (and of
+        a separate draft model, which shares the block tables) when all have one."""
+        window = self.model_config.kv_window if config.enable_window_freeing else None
+        if window is not None and draft is not None:
+            other = draft.cfg.kv_window
+            window = None if other is None else max(window, other)
+        return window
+
     def _pack(self, model: torch.nn.Module) -> str:
         if self.config.tensor_parallel_size > 1:
             return "torch"  # NOTE: the ranks hold the weights (EngineConfig refuses others)
@@ -199,10 +210,12 @@ class EngineCore:
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                 f"context length {self.max_model_len}{self._context_note}"
             )
-        if self.kv.blocks_needed(len(prompt) + max_tokens) > self.num_gpu_blocks:
+        blocks = self.kv.max_blocks_held(len(prompt) + max_tokens,
+                                         self.scheduler.config.max_num_batched_tokens)
+        if blocks > self.num_gpu_blocks:
             raise ValueError(
-                f"prompt plus max_tokens needs {self.kv.blocks_needed(len(prompt) + max_tokens)} "
-                f"KV blocks; the pool has {self.num_gpu_blocks}"
+                f"prompt plus max_tokens needs {blocks} KV blocks; the pool has "
+                f"{self.num_gpu_blocks}"
             )
         if s.logprobs is not None and s.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs must be <= {self.config.max_logprobs}")
@@ -287,10 +300,12 @@ def _fit_context(max_model_len: int, num_blocks: int, block_size: int) -> int:
     return pool_tokens
 
 
-def _max_model_len(config: EngineConfig, model_max: int) -> int:
+def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    model_max = model.max_position_embeddings
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's {model_max} positions")
+        why = f" ({model.context_limit_reason})" if model.context_limit_reason else ""
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                         f"{model_max} positions{why}")
     return config.max_model_len

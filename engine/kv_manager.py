@@ -4,6 +4,13 @@ forks and CPU swap. Pure CPU bookkeeping; the tensors live in the runner's cache
 A block is either free (in its pool's free queue, ref count 0) or referenced by the block
 tables that hold it (ref count = number of tables). Full blocks are registered in the prefix
 cache under a hash chain and stay there, even when free, until their block is reused.
+
+Sliding windows: when every layer of the model attends within a window, the blocks wholly
+before the window of a request's next query are released (to the back of the free queue:
+still in the prefix cache until reused) and their table entries become NULL_BLOCK, so a long
+request holds about window / block_size + 1 blocks however long it grows. A model with any
+global layer (Gemma 2/3 mix local and global layers) keeps every block: the layers share one
+block table, and the global layers read every token.
 """
 
 from __future__ import annotations
@@ -12,6 +19,13 @@ from collections import OrderedDict
 
 from engine.request import Request
 from ipc.prefix_hash import BlockHash, hash_block  # NOTE: in ipc, so the gateway routes by it
+
+NULL_BLOCK = -1  # a table entry whose block was released: it lies before the window
+
+
+def held(block_ids: list[int]) -> list[int]:
+    """The real blocks of a table (NULL_BLOCK entries left out)."""
+    return [b for b in block_ids if b != NULL_BLOCK]
 
 
 class BlockPool:
@@ -54,12 +68,12 @@ class BlockPool:
 
     def share(self, ids: list[int]) -> None:
         """One more table holds these (referenced) blocks: forks."""
-        for block in ids:
+        for block in held(ids):
             assert self.ref_cnt[block] > 0, f"block {block} is free"
             self.ref_cnt[block] += 1
 
     def release(self, ids: list[int]) -> None:
-        for block in ids:
+        for block in held(ids):
             assert self.ref_cnt[block] > 0, f"block {block} released twice"
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
@@ -89,8 +103,13 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         num_cpu_blocks: int = 0,
+        window: int | None = None,
     ) -> None:
+        if window is not None and window < 1:
+            raise ValueError("window must be >= 1")
         self.block_size = block_size
+        # every layer's window (the widest), when all layers have one: older blocks are dropped
+        self.window = window
         self.pool = BlockPool(num_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.enable_prefix_caching = enable_prefix_caching
@@ -113,6 +132,29 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def max_blocks_held(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a request of num_tokens holds at once, computed `chunk` tokens at
+        a time at most: all of them, or with a window the window's and one chunk's."""
+        if self.window is None:
+            return self.blocks_needed(num_tokens)
+        return min(self.blocks_needed(num_tokens),
+                   self.blocks_needed(self.window - 1 + chunk) + 1)
+
+    def out_of_window(self, num_computed: int) -> int:
+        """How many leading blocks no query from position num_computed on can see: a query
+        at p reads keys p - window + 1 .. p."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def drop_out_of_window(self, req: Request) -> None:
+        """Release the blocks before the window of the request's next query."""
+        n = min(self.out_of_window(req.num_computed_tokens), len(req.block_ids))
+        old = held(req.block_ids[:n])
+        if old:
+            self.pool.release(old)
+            req.block_ids[:n] = [NULL_BLOCK] * n
 
     # ---- prefix cache ----------------------------------------------------------------------
 
@@ -153,7 +195,8 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(req)
         for i in range(req.num_registered_blocks, full):
-            self.pool.register(req.block_ids[i], hashes[i])
+            if req.block_ids[i] != NULL_BLOCK:
+                self.pool.register(req.block_ids[i], hashes[i])
         req.num_registered_blocks = full
 
     # ---- allocation ------------------------------------------------------------------------
@@ -164,6 +207,8 @@ class KVCacheManager:
         """Room for num_new_tokens more K/V entries after `cached_blocks` (prefix-cache hits,
         only for a request holding no blocks). False, with nothing taken, if out of blocks."""
         cached_blocks = cached_blocks or []
+        if not cached_blocks:
+            self.drop_out_of_window(req)
         computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
         held = len(req.block_ids) + len(cached_blocks)
         need = max(0, self.blocks_needed(computed + num_new_tokens) - held)
@@ -218,31 +263,46 @@ class KVCacheManager:
     # ---- swap ------------------------------------------------------------------------------
 
     def can_swap_out(self, req: Request) -> bool:
-        return self.cpu_pool is not None and len(req.block_ids) <= self.cpu_pool.num_free
+        return self.cpu_pool is not None and len(held(req.block_ids)) <= self.cpu_pool.num_free
 
     def swap_out(self, req: Request) -> None:
-        """Move the request's blocks to the CPU pool (the copies run before the next forward)."""
+        """Move the request's blocks to the CPU pool (the copies run before the next forward).
+        NULL_BLOCK entries stay in place in the CPU table."""
         assert self.cpu_pool is not None
-        cpu = self.cpu_pool.take(len(req.block_ids))
+        gpu = held(req.block_ids)
+        cpu = self.cpu_pool.take(len(gpu))
         assert cpu is not None, "check can_swap_out() first"
-        self.pending_copies += [("gpu_to_cpu", g, c) for g, c in zip(req.block_ids, cpu,
-                                                                     strict=True)]
-        self.pool.release(list(reversed(req.block_ids)))
-        req.block_ids, req.cpu_block_ids = [], cpu
+        self.pending_copies += [("gpu_to_cpu", g, c) for g, c in zip(gpu, cpu, strict=True)]
+        self.pool.release(list(reversed(gpu)))
+        req.cpu_block_ids = _refill(req.block_ids, cpu)
+        req.block_ids = []
         req.num_registered_blocks = 0
+
+    def blocks_to_swap_in(self, req: Request, num_new_tokens: int) -> int:
+        """GPU blocks a swapped request needs to resume with num_new_tokens more."""
+        table = req.cpu_block_ids
+        grow = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
+        return len(held(table)) + max(0, grow)
 
     def swap_in(self, req: Request) -> bool:
         """Bring a swapped request's blocks back; False (nothing taken) if no room."""
         assert self.cpu_pool is not None and req.cpu_block_ids
-        gpu = self.pool.take(len(req.cpu_block_ids))
+        cpu = held(req.cpu_block_ids)
+        gpu = self.pool.take(len(cpu))
         if gpu is None:
             return False
-        self.pending_copies += [("cpu_to_gpu", c, g) for c, g in zip(req.cpu_block_ids, gpu,
-                                                                     strict=True)]
-        self.cpu_pool.release(req.cpu_block_ids)
-        req.cpu_block_ids, req.block_ids = [], gpu
+        self.pending_copies += [("cpu_to_gpu", c, g) for c, g in zip(cpu, gpu, strict=True)]
+        self.cpu_pool.release(cpu)
+        req.block_ids = _refill(req.cpu_block_ids, gpu)
+        req.cpu_block_ids = []
         return True
 
     def take_pending_copies(self) -> list[tuple[str, int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+
+def _refill(table: list[int], blocks: list[int]) -> list[int]:
+    """`table` with its real entries replaced, in order, by `blocks` (NULL_BLOCK kept)."""
+    it = iter(blocks)
+    return [b if b == NULL_BLOCK else next(it) for b in table]

@@ -210,6 +210,9 @@ class ModelRunner:
         tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
         for i, r in enumerate(reqs):
             tables[i, : len(r.block_ids)] = r.block_ids[:max_blocks]
+        # NOTE: blocks released behind a sliding window (NULL_BLOCK) read as block 0: a valid
+        # id, always masked out
+        np.maximum(tables, 0, out=tables)
         slots = (tables[seq_of_token, positions // self.block_size] * self.block_size
                  + positions % self.block_size)
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine import beam_search, spec_decode
-from engine.kv_manager import KVCacheManager
+from engine.kv_manager import KVCacheManager, held
 from engine.preemption import SWAP, PreemptionCost
 from engine.request import Request, RequestStatus
 from engine.sampler import SamplerOutput
@@ -185,8 +185,8 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            blocks = len(req.cpu_block_ids)
-            if self.kv.blocks_needed(req.num_computed_tokens + n) > self.kv.num_free_blocks:
+            blocks = len(held(req.cpu_block_ids))
+            if self.kv.blocks_to_swap_in(req, n) > self.kv.num_free_blocks:
                 break
             # NOTE: explicit checks, not asserts: these calls do the work (`python -O`
             # strips asserts), and the room was checked just above.
@@ -244,10 +244,10 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         choice = self.preemption.choose(
-            len(req.block_ids), req.num_computed_tokens, self.kv.can_swap_out(req))
+            len(held(req.block_ids)), req.num_computed_tokens, self.kv.can_swap_out(req))
         if choice == SWAP:
             self.preemptions.swap += 1
-            self.preemptions.swap_out_blocks += len(req.block_ids)
+            self.preemptions.swap_out_blocks += len(held(req.block_ids))
             self.kv.swap_out(req)
             bisect.insort(self.swapped, req, key=lambda r: r.sort_key)
             return

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import structlog
 import uvicorn
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may finish after SIGTERM before abort")
     group.add_argument("--log-level", default="info", help="gateway log level")
+    group.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template for /v1/chat/completions, instead of the "
+                            "model's own (models without one answer chat requests with 400)")
     group.add_argument("--otlp-traces-endpoint",
                        default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
                        help="OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318): one span per "
@@ -136,6 +140,8 @@ def check_args(ns: argparse.Namespace) -> EngineConfig:
         raise ValueError("--data-parallel-size must be >= 1")
     if ns.attach_engine and not (ns.engine_input_addr and ns.engine_output_addr):
         raise ValueError("--attach-engine needs --engine-input-addr and --engine-output-addr")
+    if ns.chat_template is not None and not Path(ns.chat_template).is_file():
+        raise ValueError(f"--chat-template {ns.chat_template!r} is not a file")
     if ns.otlp_traces_endpoint:
         traces_url(ns.otlp_traces_endpoint)
         if importlib.util.find_spec("opentelemetry.sdk") is None:
@@ -186,6 +192,7 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
         sse_keepalive_interval=ns.sse_keepalive_interval,
         split_special_tokens=ns.split_special_tokens, header_timeout=ns.header_timeout,
         body_timeout=ns.body_timeout,
+        chat_template=Path(ns.chat_template).read_text() if ns.chat_template else None,
     )
 
 

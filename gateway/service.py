@@ -34,6 +34,7 @@ class GatewaySettings:
     # network read, so a ping that arrives alone glues itself to the next event
     # (docs/operations.md).
     sse_keepalive_interval: float | None = None
+    chat_template: str | None = None  # a template's text, instead of the tokenizer's own
     drain_retry_after: int = 5
     ws_send_queue: int = 256  # frames queued per WebSocket before it is closed 1013
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: a span per request
@@ -97,7 +98,7 @@ class Gateway:
         if not path:
             raise unavailable("the engine did not report a tokenizer", "engine_unavailable")
         if path not in self._tokenizers:
-            self._tokenizers[path] = Tokenizer(path)
+            self._tokenizers[path] = Tokenizer(path, self.settings.chat_template)
         return self._tokenizers[path]
 
     def namer(self) -> TokenNamer:

@@ -49,7 +49,8 @@ def _token_text(value: Any) -> str | None:
 class Tokenizer:
     """Encode/decode with `tokenizers` and render the chat template of one tokenizer directory."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, chat_template: str | None = None) -> None:
+        """chat_template: a template's text, instead of the tokenizer's own (--chat-template)."""
         directory = Path(directory)
         self.directory = directory
         self._tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
@@ -59,7 +60,7 @@ class Tokenizer:
             name: _token_text(config.get(name))
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
-        source = _template_source(directory, config)
+        source = chat_template or _template_source(directory, config)
         self._template = _environment().from_string(source) if source else None
         # NOTE: a second instance, as `encode_special_tokens` is a setting of the whole object
         # and encodes may run on several threads at once.
@@ -99,7 +100,8 @@ class Tokenizer:
         `template_kwargs` are extra variables for the template (vLLM's chat_template_kwargs)."""
         if self._template is None:
             raise ApiError(
-                400, "this model's tokenizer has no chat template; use /v1/completions",
+                400, "this model's tokenizer has no chat template (a base model?): use "
+                "/v1/completions, or start the server with --chat-template FILE",
                 "chat_template_missing", "messages",
             )
         try:

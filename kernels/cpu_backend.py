@@ -29,7 +29,7 @@ _lib = cc_build.build(SOURCE, FLAGS)
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _decode_f32, _write_kv_f32 = _lib.paged_decode_f32, _lib.write_kv_f32
 _decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
-                        _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _i32]
+                        _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _i32, _i32]
 _write_kv_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64]
 _decode_f32.restype, _write_kv_f32.restype = None, _i64
 # NOTE: with this backend the engine also runs RMSNorm and rope in C (kernels/cpu_ops.py);
@@ -74,15 +74,18 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Same contract as the torch backend's; decodes run in C where `fits` says they can."""
+    """Same contract as the torch backend's; decodes run in C where `fits` says they can
+    (soft-capped scores go to the torch backend)."""
     out = torch.empty_like(q) if out is None else out
     nd = meta.num_decodes
-    if nd and fits(q, k_cache, v_cache, out, k_scale, v_scale, meta):
+    scales = (k_scale, v_scale)
+    if nd and softcap is None and fits(q, k_cache, v_cache, out, k_scale, v_scale, meta):
         decode(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
     elif nd:
-        out[:nd] = torch_backend.decode(q[:nd], k_cache, v_cache, meta, scale, (k_scale, v_scale))
-    torch_backend.prefills(q, k_cache, v_cache, meta, scale, (k_scale, v_scale), out)
+        out[:nd] = torch_backend.decode(q[:nd], k_cache, v_cache, meta, scale, scales, softcap)
+    torch_backend.prefills(q, k_cache, v_cache, meta, scale, scales, out, softcap)
     return out
 
 
@@ -106,7 +109,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Decodes (one query token per sequence, the first len(q) sequences) into `out`.
 
     Each sequence's blocks are split across threads when the sequences give fewer than two
-    tasks per thread and the sequence has 16+ blocks.
+    tasks per thread and the sequence has 16+ blocks. `meta.window` bounds the keys read.
     """
     nd, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -114,4 +117,4 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _decode_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                 tables.data_ptr(), tables.stride(0), meta.seq_lens.data_ptr(),
                 out.data_ptr(), out.stride(0), nd, heads, kv_heads, head_dim, block_size,
-                scale, num_threads or torch.get_num_threads())
+                scale, meta.window or 0, num_threads or torch.get_num_threads())

@@ -38,10 +38,12 @@ static void attend(const Shape *c, int h, const float *qs, int first, int last,
         m[g] = -1e30f; /* not -inf: finite math below */
         l[g] = 0.0f;
     }
-    for (int start = first; start < last; start += block_size) {
-        const int n = last - start < block_size ? last - start : block_size;
+    for (int start = first, n; start < last; start += n) {
+        /* NOTE: `first` may sit mid-block (a sliding window's start) */
+        const int off = start % block_size;
+        n = last - start < block_size - off ? last - start : block_size - off;
         const int64_t base = (table[start / block_size] * block_size
-                              * kv_heads + h) * head_dim;
+                              * kv_heads + h) * head_dim + off * tok_stride;
         const float *kb = k_cache + base, *vb = v_cache + base;
         /* scores: each K row is loaded once for the whole group */
         for (int t = 0; t < n; t++) {
@@ -130,10 +132,12 @@ attend16(const Shape *c, int h, const float *qs, int first, int last, float *acc
             q[g][j] = LOAD(qs + g * HD + 16 * j);
         }
     }
-    for (int start = first; start < last; start += block_size) {
-        const int n = last - start < block_size ? last - start : block_size;
-        const int64_t base = (c->table[start / block_size] * block_size * kv_heads + h) * HD;
-        if (h == 0 && start + block_size < last) {
+    for (int start = first, n; start < last; start += n) {
+        const int off = start % block_size; /* a sliding window may start mid-block */
+        n = last - start < block_size - off ? last - start : block_size - off;
+        const int64_t base = (c->table[start / block_size] * block_size * kv_heads + h) * HD
+                             + off * tok_stride;
+        if (h == 0 && start - off + block_size < last) {
             /* the next block, every head (the later heads' passes find it in L2) */
             const int64_t next = c->table[start / block_size + 1] * block_size * tok_stride;
             for (int64_t i = 0; i < block_size * tok_stride; i += 16) {
@@ -208,13 +212,17 @@ void paged_decode_f32(
     const int32_t *seq_lens,                /* [num_seqs] */
     float *out, int64_t out_stride,         /* [num_seqs, heads, head_dim]; token stride */
     int num_seqs, int heads, int kv_heads, int head_dim, int block_size, float scale,
+    int window,                             /* > 0: attend the last `window` keys only */
     int num_threads)
 {
     const int group = heads / kv_heads;
     const int rows = group * head_dim;
     int max_blocks = 1;
     for (int s = 0; s < num_seqs; s++) {
-        const int nb = (seq_lens[s] + block_size - 1) / block_size;
+        int nb = (seq_lens[s] + block_size - 1) / block_size;
+        if (window > 0) /* the blocks a window covers */
+            nb = (window + block_size - 1) / block_size + 1 < nb
+                     ? (window + block_size - 1) / block_size + 1 : nb;
         max_blocks = nb > max_blocks ? nb : max_blocks;
     }
     int splits = (2 * num_threads + num_seqs - 1) / num_seqs;
@@ -237,10 +245,14 @@ void paged_decode_f32(
         for (int j = 0; j < splits; j++) {
             for (int h = 0; h < kv_heads; h++) {
                 const int len = seq_lens[s];
-                const int nb = (len + block_size - 1) / block_size;
+                /* keys [lo, len): a window starts mid-sequence, its splits from its block */
+                const int lo = window > 0 && len > window ? len - window : 0;
+                const int b0 = lo / block_size;
+                const int nb = (len + block_size - 1) / block_size - b0;
                 const int per = (nb + splits - 1) / splits;
-                const int first = j * per * block_size;
-                const int end = (j + 1) * per * block_size;
+                const int start = (b0 + j * per) * block_size;
+                const int first = start > lo ? start : lo;
+                const int end = (b0 + (j + 1) * per) * block_size;
                 const int last = end < len ? end : len;
                 Shape c = {k_cache, v_cache, tables + s * table_stride,
                            (int64_t)kv_heads * head_dim, group, head_dim, block_size, kv_heads};
@@ -250,7 +262,7 @@ void paged_decode_f32(
                     qs[i] = qh[i] * scale;
                 float *oh = out + s * out_stride + (int64_t)h * rows;
                 if (splits == 1) {
-                    attend_any(&c, h, qs, 0, len, acc, m, l);
+                    attend_any(&c, h, qs, lo, len, acc, m, l);
                     for (int g = 0; g < group; g++)
                         for (int d = 0; d < head_dim; d++)
                             oh[g * head_dim + d] = acc[g * head_dim + d] / l[g];

@@ -51,23 +51,27 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """One varlen call over the whole batch; causal=True is bottom-right aligned in flash-attn."""
+    """One varlen call over the whole batch; causal=True is bottom-right aligned in flash-attn.
+    A sliding window W is flash-attn's window_size (W - 1, 0): W keys, the query's included."""
     if k_cache.dtype != q.dtype or k_scale is not None or v_scale is not None:
         raise ValueError("the flash_attn backend has no FP8 KV cache here: use "
                          "--attention-backend triton with --kv-cache-dtype fp8_e4m3")
     # NOTE: flash-attn wants an int32 page table; the runner builds int64 for index_select.
     tables = meta.block_tables.to(torch.int32)
     max_q = max(meta.query_lens_cpu)
+    extra = {"window_size": (-1, -1) if meta.window is None else (meta.window - 1, 0),
+             "softcap": softcap or 0.0}  # NOTE: flash-attn's "none" for each
     if KIND == "fa3":
         res = _call(_FA.flash_attn_with_kvcache, q, k_cache, v_cache, cache_seqlens=meta.seq_lens,
                     page_table=tables, cu_seqlens_q=meta.query_start_loc, max_seqlen_q=max_q,
-                    softmax_scale=scale, causal=True)
+                    softmax_scale=scale, causal=True, **extra)
     else:
         res = _call(_FA.flash_attn_varlen_func, q, k_cache, v_cache, max_seqlen_q=max_q,
                     cu_seqlens_q=meta.query_start_loc, max_seqlen_k=max(meta.seq_lens_cpu),
                     seqused_k=meta.seq_lens, block_table=tables, softmax_scale=scale,
-                    causal=True)
+                    causal=True, **extra)
     if out is None:
         return res
     out.copy_(res)

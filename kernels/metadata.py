@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +24,19 @@ class AttentionMetadata:
     query_lens_cpu: list[int]  # per sequence, on the host (prefill loops use them)
     seq_lens_cpu: list[int]  # per sequence, on the host
     max_decode_seq_len: int = 0  # longest decode sequence: bounds the blocks gathered
+    # The attending layer's sliding window W: a query at position p sees keys p-W+1 .. p
+    # (W keys, itself included); None: every earlier key. Blocks wholly before the window
+    # may be absent from the tables (a valid placeholder id stands in): never read them.
+    window: int | None = None
+    _by_window: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def with_window(self, window: int | None) -> AttentionMetadata:
+        """This batch's metadata for a layer with `window` (made once per window and step)."""
+        if window == self.window:
+            return self
+        if window not in self._by_window:
+            self._by_window[window] = dataclasses.replace(self, window=window, _by_window={})
+        return self._by_window[window]
 
     @property
     def num_seqs(self) -> int:

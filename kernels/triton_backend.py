@@ -15,6 +15,7 @@ import torch
 import triton
 from triton import knobs
 
+from kernels import torch_backend
 from kernels import triton_kernels as tk
 from kernels.metadata import AttentionMetadata
 
@@ -88,9 +89,14 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     num_kv_splits: int | None = None,  # decode splits; None: chosen from the GPU's size
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attend every query token over its sequence's cached K/V (written before this call)."""
+    """Attend every query token over its sequence's cached K/V (written before this call).
+    Soft-capped scores (Gemma 2) go to the torch backend."""
     out = torch.empty_like(q) if out is None else out
+    if softcap is not None:
+        return torch_backend.paged_attention(q, k_cache, v_cache, meta, scale, k_scale=k_scale,
+                                             v_scale=v_scale, out=out, softcap=softcap)
     nd = meta.num_decodes
     group = q.shape[1] // k_cache.shape[2]
     first = 0
@@ -133,7 +139,7 @@ def varlen_attention(
     grid = (num_programs, k_cache.shape[2])
     tk.paged_attention_kernel[grid](
         out, q, k_cache, v_cache, tables, meta.seq_lens, meta.query_start_loc, ks, vs,
-        scale, first_seq, num_seqs, group, block_q,
+        scale, first_seq, num_seqs, group, block_q, _window(meta),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=q.shape[2], HEAD_DIM_P2=_p2(q.shape[2]), PAGE_SIZE=k_cache.shape[1],
@@ -170,7 +176,7 @@ def decode_attention(
     tables = meta.block_tables
     tk.decode_kernel[(nd, kv_heads, num_splits)](
         out, part_out, part_lse, q, k_cache, v_cache, tables, meta.seq_lens, ks, vs,
-        scale, num_heads // kv_heads, split_len, num_splits,
+        scale, num_heads // kv_heads, split_len, num_splits, _window(meta),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, HEAD_DIM_P2=_p2(head_dim), PAGE_SIZE=k_cache.shape[1],
@@ -183,6 +189,10 @@ def decode_attention(
             out, part_out, part_lse, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P2=_p2(head_dim), SPLITS_P2=MAX_SPLITS, num_warps=4,
         )
+
+
+def _window(meta: AttentionMetadata) -> int:
+    return tk.NO_WINDOW.value if meta.window is None else meta.window
 
 
 def split_plan(max_seq_len: int, num_splits: int, block_n: int) -> tuple[int, int]:

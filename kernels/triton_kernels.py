@@ -11,6 +11,7 @@ import triton.language as tl
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 LOG2E = tl.constexpr(1.4426950408889634)
+NO_WINDOW = tl.constexpr(1 << 30)  # the window argument of a layer without one
 
 
 @triton.jit
@@ -99,6 +100,7 @@ def _kv_scales(k_scale_ptr, v_scale_ptr, kv_head, KV_SCALE: tl.constexpr):
 def _attend_tile(
     q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_n, kv_end, qk_scale,
     allowed_end,  # [BLOCK_M] key positions < allowed_end are visible to each row
+    allowed_start,  # [BLOCK_M] ... and those >= allowed_start (a sliding window's first key)
     kv_head, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -122,7 +124,8 @@ def _attend_tile(
         v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
-        visible = (offs_n[None, :] < allowed_end[:, None]) & n_ok[None, :]
+        visible = ((offs_n[None, :] < allowed_end[:, None]) & n_ok[None, :]
+                   & (offs_n[None, :] >= allowed_start[:, None]))
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # NOTE: a row with nothing visible yet keeps m = -inf; guard so exp2 sees no (-inf) - (-inf).
@@ -146,6 +149,7 @@ def paged_attention_kernel(
     qsl_ptr,  # [num_seqs + 1] query start offsets
     k_scale_ptr, v_scale_ptr,
     sm_scale, first_seq, num_seqs, group, block_q,
+    window,  # a query at p sees keys p - window + 1 .. p (NO_WINDOW: every earlier key)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -181,6 +185,7 @@ def paged_attention_kernel(
     qk_scale = sm_scale * LOG2E * k_scale
     # bottom-right causal: query token j sits at position context_len + j
     allowed_end = context_len + q_tok + 1
+    allowed_start = allowed_end - window
     kv_end = context_len + tl.minimum((q_block + 1) * block_q, q_len)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -189,16 +194,22 @@ def paged_attention_kernel(
     # keys before the block's first query position are visible to all its rows: those tiles
     # skip the mask; only the tiles on the diagonal pay for it
     unmasked_end = (context_len + q_block * block_q + 1) // BLOCK_N * BLOCK_N
-    for start_n in range(0, unmasked_end, BLOCK_N):
+    # NOTE: with a window, tiles before the first row's window are skipped and every tile
+    # left is masked (the rows' windows start at different keys)
+    first_key = tl.maximum(context_len + q_block * block_q + 1 - window, 0)
+    lo = first_key // BLOCK_N * BLOCK_N
+    unwindowed = (window >= NO_WINDOW).to(tl.int32)
+    unmasked_end = lo + (unmasked_end - lo) * unwindowed
+    for start_n in range(lo, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_n, kv_end, qk_scale,
-            allowed_end, kv_head, stride_cb, stride_cs, stride_ch,
+            allowed_end, allowed_start, kv_head, stride_cb, stride_cs, stride_ch,
             HEAD_DIM, HEAD_DIM_P2, PAGE_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, False,
         )
     for start_n in range(unmasked_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_n, kv_end, qk_scale,
-            allowed_end, kv_head, stride_cb, stride_cs, stride_ch,
+            allowed_end, allowed_start, kv_head, stride_cb, stride_cs, stride_ch,
             HEAD_DIM, HEAD_DIM_P2, PAGE_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, True,
         )
     l_i = tl.where(row_ok, l_i, 1.0)
@@ -216,6 +227,7 @@ def decode_kernel(
     q_ptr,  # [num_decodes, num_heads, head_dim]: decode i's one query token is row i
     k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale, group, split_len, num_splits,
+    window,  # the query (at seq_len - 1) sees the last `window` keys
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -228,8 +240,9 @@ def decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    kv_start = split * split_len
-    kv_end = tl.minimum(kv_start + split_len, seq_len)
+    kv_end = tl.minimum(split * split_len + split_len, seq_len)
+    # NOTE: a split before the window is empty; the window's first split starts mid-way
+    kv_start = tl.maximum(split * split_len, seq_len - window)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_P2)
@@ -243,6 +256,7 @@ def decode_kernel(
     k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, kv_head, KV_SCALE)
     qk_scale = sm_scale * LOG2E * k_scale
     allowed_end = tl.full([BLOCK_M], 0, tl.int32) + seq_len
+    allowed_start = allowed_end - window
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
@@ -250,7 +264,7 @@ def decode_kernel(
     for start_n in range(kv_start, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row_ptr, start_n, kv_end, qk_scale,
-            allowed_end, kv_head, stride_cb, stride_cs, stride_ch,
+            allowed_end, allowed_start, kv_head, stride_cb, stride_cs, stride_ch,
             HEAD_DIM, HEAD_DIM_P2, PAGE_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, True,
         )
     empty = l_i == 0.0  # a split past the end of a short sequence

@@ -1,1 +1,1 @@
-"""Model definitions written here (Llama family) and their weight loaders."""
+"""Model definitions written here (the Llama layout, Gemma 2/3) and their weight loaders."""

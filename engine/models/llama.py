@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over one flattened varlen token batch.
+"""Llama-layout decoder (Llama 3.x, SmolLM, Mistral, Qwen2/2.5, Qwen3, Phi-3) over one
+flattened varlen token batch, and the layers the other families (engine/models/gemma.py) share.
 
 Names follow HF checkpoints, except that q/k/v and gate/up are fused into one matmul each.
 """
@@ -16,6 +17,11 @@ from torch import nn
 from engine.forward_context import get_forward_context
 from engine.models.config import ModelConfig
 from kernels import cpu_ops
+
+
+def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Module:
+    """Every projection of the models is built here (one place to swap in other linears)."""
+    return nn.Linear(in_features, out_features, bias=bias)
 
 
 class RMSNorm(nn.Module):
@@ -45,18 +51,25 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies with the config's theta and scaling (default, linear, llama3)."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies with the config's theta and scaling (default, linear, llama3,
+    longrope's short factor), and the factor cos and sin are scaled by. local: Gemma 3's
+    windowed layers (their own base, no scaling)."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling or {}
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (theta**exponents)
+    scaling = {} if local else cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
     if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if kind == "longrope":  # NOTE: the short factor: config.py caps the context to match
+        short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+        return 1.0 / (short * theta**exponents), float(scaling["attention_factor"])
     raise ValueError(f"rope scaling {kind!r} is not supported")
 
 
@@ -75,11 +88,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 class RotaryEmbedding:
     """cos/sin tables for every position; `lookup` takes one batch's rows for every layer."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device) -> None:
-        inv_freq = rope_inv_freq(cfg).to(device)
-        freqs = torch.outer(torch.arange(max_positions, device=device).float(), inv_freq)
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device,
+                 local: bool = False) -> None:
+        inv_freq, factor = rope_inv_freq(cfg, local)
+        freqs = torch.outer(torch.arange(max_positions, device=device).float(), inv_freq.to(device))
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.cos, sin = emb.cos(), emb.sin()
+        if factor != 1.0:
+            self.cos, sin = self.cos * factor, sin * factor
         # NOTE: HF's rotate_half(x) * sin is cat(-x2, x1) * sin; with the sign moved into the
         # table it is cat(x2, x1) * cat(-sin1, sin2): the same products, one op fewer.
         half = sin.shape[-1] // 2
@@ -125,10 +141,15 @@ class Attention(nn.Module):
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
+        self.o_proj = linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.attn_scale or self.head_dim**-0.5
+        self.window = cfg.window(layer_idx)
+        self.softcap = cfg.attn_softcap
+        # per-head norms of q and k before rope (Qwen3, Gemma 3)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         # FP8 KV cache scales from the checkpoint, [] (per tensor) or [num_kv_heads] (per head),
         # float32: the cache holds x / scale. None is scale 1. Used only with an FP8 cache.
         self.k_scale: torch.Tensor | None = None
@@ -137,9 +158,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RopeTables):
         n = x.shape[0]
         qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.num_heads + self.num_kv_heads]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]),
+                            self.k_norm(qk[:, self.num_heads :])), dim=1)
         # NOTE: q and k rotate in one call; q and k are then views of its output
-        q, k = rope(qkv[:, : self.num_heads + self.num_kv_heads]).split(
-            [self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rope(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
@@ -148,19 +172,24 @@ class Attention(nn.Module):
         scales = {"k_scale": self.k_scale if fp8 else None,
                   "v_scale": self.v_scale if fp8 else None}
         ctx.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
-        out = ctx.backend.paged_attention(q, k_cache, v_cache, meta, self.scale, **scales)
+        if self.softcap is not None:
+            scales["softcap"] = self.softcap
+        out = ctx.backend.paged_attention(q, k_cache, v_cache, meta.with_window(self.window),
+                                          self.scale, **scales)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -170,6 +199,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        # Gemma 3: the windowed layers rotate with the local rope base
+        self.uses_local_rope = (cfg.local_rope_theta is not None
+                                and cfg.window(layer_idx) is not None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeTables):
         """x: the previous layer's output (the embedding at layer 0, residual None). Returns
@@ -207,19 +239,27 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if cfg.tie_word_embeddings else linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
+        self.local_rope: RotaryEmbedding | None = None  # Gemma 3's windowed layers
         self.fused_cpu_ops = False
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         self.rope = RotaryEmbedding(self.cfg, max_positions, device)
+        if self.cfg.local_rope_theta is not None:
+            self.local_rope = RotaryEmbedding(self.cfg, max_positions, device, local=True)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None
@@ -229,11 +269,13 @@ class LlamaForCausalLM(nn.Module):
         num_layers: run only the first layers, then the final norm (the self-draft model).
         """
         assert self.rope is not None, "call init_rope() first"
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.rope.lookup(positions, x.dtype, self.fused_cpu_ops)
+        local = rope if self.local_rope is None else self.local_rope.lookup(
+            positions, x.dtype, self.fused_cpu_ops)
         residual = None
         for layer in self.layers[:num_layers]:
-            x, residual = layer(x, residual, rope)
+            x, residual = layer(x, residual, local if layer.uses_local_rope else rope)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def set_fused_cpu_ops(self, on: bool) -> None:
@@ -263,6 +305,8 @@ class LlamaForCausalLM(nn.Module):
             target, shard = self._target(name)
             if target not in params:
                 raise KeyError(f"unexpected weight {hf_name!r}")
+            if self.cfg.norm_offset and target.endswith("norm.weight"):
+                tensor = tensor.float() + self.cfg.norm_offset  # Gemma's (1 + w)
             self._copy(params[target], tensor, target, shard)
             loaded.add(target)
         missing = set(params) - loaded

@@ -1,9 +1,10 @@
-"""Load a Llama-family model from a local HF directory (safetensors) or a GGUF file."""
+"""Load a model (Llama layout or Gemma) from a local HF directory (safetensors) or a GGUF file."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from engine.models.config import ModelConfig, from_hf_config
+from engine.models.config import ModelConfig, from_hf_config, longrope_context
+from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from ipc.model_source import ModelSource
 
@@ -25,10 +27,15 @@ def load_model(
         cfg = from_hf_config(source.path)
         weights = _safetensors_weights(source.path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(weights)
     return model.eval().requires_grad_(False), cfg
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
+    """The decoder for the config: Gemma's layout, or Llama's (every other family)."""
+    return GemmaForCausalLM if cfg.sandwich_norms else LlamaForCausalLM
 
 
 def _safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -51,7 +58,9 @@ def _gguf_dequantized(source: ModelSource) -> tuple[ModelConfig, Iterator]:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    cache = source.cache_dir() / "weights-float32.safetensors"
+    # NOTE: v2: the config grew the model-family fields (windows, norms, soft-caps); a cache
+    # written by an older build lacks them, so it is not read
+    cache = source.cache_dir() / "weights-float32-v2.safetensors"
     if not cache.is_file():
         reader = _open_gguf(source.path)
         cfg = gguf_config(reader)
@@ -64,6 +73,7 @@ def _gguf_dequantized(source: ModelSource) -> tuple[ModelConfig, Iterator]:
     with safe_open(str(cache), framework="pt") as f:
         raw = json.loads(f.metadata()["config"])
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+    raw["layer_windows"] = tuple(raw["layer_windows"])  # JSON made the tuples lists
     return ModelConfig(**raw), _safetensors_file(cache)
 
 
@@ -86,53 +96,124 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+# GGUF architecture -> our model_type (llama.cpp writes Gemma 3 text as gemma3)
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+               "gemma2": "gemma2", "gemma3": "gemma3_text"}
+
+
 def gguf_config(reader) -> ModelConfig:
+    """The config from a GGUF's metadata, with llama.cpp's meaning for each key (and its
+    built-in values where the file has none: Gemma's layer patterns, Gemma 3's local base)."""
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (Llama family only)")
-    heads = _field(reader, f"{arch}.attention.head_count")
-    hidden = _field(reader, f"{arch}.embedding_length")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
+                         f"{sorted(_GGUF_ARCHS)}")
+    model_type = _GGUF_ARCHS[arch]
+
+    def key(name: str, default=None):
+        return _field(reader, f"{arch}.{name}", default)
+
+    heads, hidden = key("attention.head_count"), key("embedding_length")
+    layers = key("block_count")
+    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // heads
     names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    vocab = key("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    scaling = None
-    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": _field(reader, f"{arch}.rope.scaling.factor")}
-    return ModelConfig(
+    fields: dict = dict(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
-        num_layers=_field(reader, f"{arch}.block_count"),
+        intermediate_size=key("feed_forward_length"),
+        num_layers=layers,
         num_heads=heads,
-        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", heads),
-        head_dim=_field(reader, f"{arch}.rope.dimension_count", hidden // heads),
-        rms_norm_eps=_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=_field(reader, f"{arch}.rope.freq_base", 10000.0),
-        rope_scaling=scaling,
-        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
+        num_kv_heads=key("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=key("rope.freq_base", 10000.0),
+        rope_scaling=_gguf_rope_scaling(reader, arch),
+        max_position_embeddings=key("context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
         eos_token_ids=() if eos is None else (int(eos),),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         attention_bias="blk.0.attn_q.bias" in names,
-        architecture=arch,
+        architecture=model_type,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
     )
+    window = key("attention.sliding_window")
+    if arch.startswith("gemma"):
+        pattern = _gguf_window_pattern(key("attention.sliding_window_pattern"), arch)
+        fields.update(
+            hidden_act="gelu_tanh", norm_offset=1.0, sandwich_norms=True,
+            embed_scale=math.sqrt(hidden), attn_scale=head_dim**-0.5,
+            layer_windows=tuple(window if window and pattern(i) else None
+                                for i in range(layers)))
+        if arch == "gemma2":  # NOTE: HF's Gemma2Config defaults where the file has no key
+            fields.update(attn_softcap=key("attn_logit_softcapping", 50.0),
+                          final_softcap=key("final_logit_softcapping", 30.0))
+        else:
+            fields["local_rope_theta"] = key("rope.freq_base_swa", 10000.0)  # llama.cpp's
+    elif window:
+        fields["layer_windows"] = (window,) * layers
+    if fields["rope_scaling"] and fields["rope_scaling"]["rope_type"] == "longrope":
+        cfg = {"max_position_embeddings": fields["max_position_embeddings"]}
+        fields.update(longrope_context(cfg, fields["rope_scaling"]))
+    return ModelConfig(**fields)
+
+
+def _gguf_window_pattern(value, arch: str):
+    """Which layers are windowed: the file's per-layer flags or period, else llama.cpp's
+    fixed rule (Gemma 2: every other layer from the first; Gemma 3: five in six)."""
+    if isinstance(value, list):
+        return lambda i: bool(value[i])
+    period = int(value) if value else (2 if arch == "gemma2" else 6)
+    if arch == "gemma2":
+        return lambda i: i % period == 0
+    return lambda i: (i + 1) % period != 0
+
+
+def _gguf_rope_scaling(reader, arch: str) -> dict | None:
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _field(reader, f"{arch}.rope.scaling.factor")}
+    short = next((t for t in reader.tensors if t.name == "rope_factors_short.weight"), None)
+    if short is None:
+        return None
+    # Phi-3's longrope: llama.cpp keeps the factors as tensors
+    long = next(t for t in reader.tensors if t.name == "rope_factors_long.weight")
+    scaling = {"rope_type": "longrope", "short_factor": [float(x) for x in short.data],
+               "long_factor": [float(x) for x in long.data],
+               "original_max_position_embeddings": _field(
+                   reader, f"{arch}.rope.scaling.original_context_length")}
+    factor = _field(reader, f"{arch}.rope.scaling.attn_factor")
+    if factor is not None:
+        scaling["attention_factor"] = factor
+    return scaling
 
 
 _GGUF_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# where an architecture's names mean something else
+_GGUF_ARCH_NAMES = {
+    "gemma": {"post_attention_norm": "post_attention_layernorm",
+              "ffn_norm": "pre_feedforward_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # llama.cpp keeps Phi-3's gate and up fused
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
     m = _BLOCK.fullmatch(name)
     if m:
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
+        names = _GGUF_ARCH_NAMES.get("gemma" if arch.startswith("gemma") else arch, {})
+        return f"model.layers.{layer}.{names.get(part) or _GGUF_NAMES[part]}.{kind}"
     base, kind = name.rsplit(".", 1)
     return f"{_GGUF_NAMES[base]}.{kind}"
 
@@ -141,12 +222,17 @@ def _gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]
     from gguf.quants import dequantize
 
     for t in reader.tensors:
+        if t.name.startswith("rope_factors_"):
+            continue  # in the config (Phi-3's longrope)
         array = dequantize(t.data, t.tensor_type)
         tensor = torch.from_numpy(array.copy()).float()
-        name = gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name, cfg.architecture)
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
             tensor = _unpermute_rope(tensor, heads)
+        if cfg.norm_offset and name.endswith("norm.weight"):
+            # NOTE: llama.cpp stores Gemma's norms as 1 + w; load_weights adds the offset
+            tensor = tensor - cfg.norm_offset
         yield name, tensor
 
 

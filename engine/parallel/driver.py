@@ -109,11 +109,18 @@ class TensorParallelModel:
                     os._exit(exit_codes.ENGINE_DIED)
 
 
+# NOTE: the Llama layout with q/k/v and gate/up stored apart (the shard loader splits them)
+TP_ARCHITECTURES = {"llama", "smollm", "mistral", "qwen2", "qwen3"}
+
+
 def launch(config: EngineConfig, source: ModelSource, dtype: torch.dtype,
            device: torch.device) -> tuple[TensorParallelModel, ModelConfig]:
     """Start ranks 1..N-1, join the process group as rank 0, load rank 0's shard."""
     size = config.tensor_parallel_size
     cfg, files = checkpoint(source)
+    if cfg.architecture not in TP_ARCHITECTURES:
+        raise ValueError(f"tensor_parallel_size > 1 covers {sorted(TP_ARCHITECTURES)}; the "
+                         f"model is {cfg.architecture!r}")
     ring = ShmRing(size - 1, _RING_BYTES, create=True)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")

@@ -375,6 +375,8 @@ async def test_stop_string_on_one_choice_aborts_only_it(fake_engine: FakeEngine)
     ("tool_choice", "auto"), ("parallel_tool_calls", True), ("suffix", "end"),
     ("structured_outputs", {"json": {}}), ("guided_json", {"type": "object"}),
     ("guided_regex", "a+"), ("guided_choice", ["a", "b"])])
+
+
 async def test_unimplemented_fields_are_refused(fake_engine: FakeEngine, field: str,
                                                 value: object) -> None:
     from gateway.refused import REFUSED_FIELDS
@@ -498,3 +500,22 @@ async def test_cancel_a_batched_request_by_its_id(fake_engine: FakeEngine) -> No
     assert reply["id"] == "batch-1"
     assert [c["finish_reason"] for c in reply["choices"]] == ["abort", "abort"]
     assert set(fake_engine.aborted) >= {"batch-1-0", "batch-1-1"}
+
+
+async def test_chat_without_a_template_is_400_unless_one_is_given(tmp_path, tokenizer_dir):
+    """A base model (no template in its tokenizer files) serves /v1/completions only, unless
+    the gateway was started with --chat-template FILE."""
+    (tmp_path / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    engine = FakeEngine(tmp_path)
+    async with serve(_app(engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        r = await http.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "chat_template_missing"
+        assert r.json()["error"]["param"] == "messages"
+        r = await http.post("/v1/completions", json={"model": "test-model", "prompt": "hi"})
+        assert r.status_code == 200
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    async with serve(_app(FakeEngine(tmp_path), chat_template=template)) as url, \
+            httpx.AsyncClient(base_url=url) as http:
+        r = await http.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY

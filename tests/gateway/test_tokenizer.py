@@ -111,3 +111,36 @@ def test_split_special_tokens_with_templates_that_edit_contents(
     with pytest.raises(ApiError) as err:
         tok.apply_chat_template(messages, split_special_tokens=True)
     assert err.value.status == 400 and err.value.param == "messages"
+
+
+def _without_template(tmp_path: Path, tokenizer_dir: Path) -> Path:
+    (tmp_path / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    return tmp_path
+
+
+def test_a_model_without_a_template_gets_a_clear_400(tmp_path: Path, tokenizer_dir: Path):
+    tok = Tokenizer(_without_template(tmp_path, tokenizer_dir))
+    assert not tok.has_chat_template
+    with pytest.raises(ApiError) as err:
+        tok.render_chat([{"role": "user", "content": "x"}])
+    e = err.value
+    assert (e.status, e.code, e.param) == (400, "chat_template_missing", "messages")
+    assert "--chat-template" in e.message and "/v1/completions" in e.message
+
+
+def test_a_given_template_is_rendered(tmp_path: Path, tokenizer_dir: Path):
+    tok = Tokenizer(_without_template(tmp_path, tokenizer_dir),
+                    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<user>hi"
+
+
+def test_the_chat_template_flag_reads_a_file(tmp_path: Path):
+    from gateway.cli import build_parser, check_args, settings_from_args
+
+    ns = build_parser().parse_args(["serve", "--chat-template", str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="chat-template"):
+        check_args(ns)
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    ns = build_parser().parse_args(["serve", "--chat-template", str(tmp_path / "t.jinja")])
+    check_args(ns)
+    assert settings_from_args(ns).chat_template == "{{ messages[0]['content'] }}"

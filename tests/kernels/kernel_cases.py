@@ -37,7 +37,11 @@ BATCHES = {
     # decodes long enough that 3 KV splits of 128 keys are all used, some partly or not at all;
     # a chunk after a long prefix and a long prefill: tiles the causal mask can skip
     "long": [(300, 1), (150, 1), (5, 1), (200, 20), (0, 150)],
+    # for sliding windows (1, 16, 17, longer than any sequence): decodes and chunks whose
+    # windows start mid-block, on a block boundary, before the sequence
+    "window": [(40, 1), (16, 1), (0, 1), (70, 1), (0, 40), (30, 20), (17, 5), (48, 16)],
 }
+WINDOWS = (1, 16, 17, 1000)
 MATRIX_BATCHES = ("decode", "prefill", "mixed")
 
 
@@ -58,9 +62,12 @@ class Batch:
 def make_batch(
     seqs: list[tuple[int, int]], *, kv_heads: int, group: int, head_dim: int,
     dtype: torch.dtype, kv_dtype: torch.dtype, scales: str | None, page: int, device: str,
-    gen: torch.Generator,
+    gen: torch.Generator, window: int | None = None,
 ) -> Batch:
-    """Random inputs; block tables are a random permutation of the pool, padded with valid ids."""
+    """Random inputs; block tables are a random permutation of the pool, padded with valid ids.
+    With a window, the blocks wholly before each sequence's first query's window are not
+    written (garbage) and their table entries point at another block, as when the KV manager
+    has released them."""
     need = [-(-(c + n) // page) for c, n in seqs]
     num_blocks = sum(need) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -78,14 +85,16 @@ def make_batch(
     tables, slots, qs, keys, values, k_full, v_full = [], [], [], [], [], [], []
     for (ctx, n), nb in zip(seqs, need, strict=True):
         blocks, perm = perm[:nb], perm[nb:]
-        tables.append(blocks + [perm[-1]] * (width - nb))  # pad with a valid (unused) id
+        gone = 0 if window is None else max(0, ctx - window + 1) // page
+        tables.append([perm[-1]] * gone + blocks[gone:] + [perm[-1]] * (width - nb))
         total = ctx + n
         k = (torch.randn(total, kv_heads, head_dim, generator=gen) * 2).to(dtype)
         v = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
         pos = torch.arange(total)
         where = (torch.tensor(blocks)[pos // page], pos % page)
-        k_cache[where[0][:ctx], where[1][:ctx]] = _quantize(k[:ctx].float(), kv_dtype, k_scale)
-        v_cache[where[0][:ctx], where[1][:ctx]] = _quantize(v[:ctx].float(), kv_dtype, v_scale)
+        kept = slice(gone * page, ctx)
+        k_cache[where[0][kept], where[1][kept]] = _quantize(k[kept].float(), kv_dtype, k_scale)
+        v_cache[where[0][kept], where[1][kept]] = _quantize(v[kept].float(), kv_dtype, v_scale)
         slots.append(where[0][ctx:] * page + where[1][ctx:])
         keys.append(k[ctx:])
         values.append(v[ctx:])
@@ -105,6 +114,7 @@ def make_batch(
         query_lens_cpu=qlens,
         seq_lens_cpu=seq_lens,
         max_decode_seq_len=max(seq_lens[:nd], default=0),
+        window=window,
     )
     dev = torch.device(device)
     return Batch(
@@ -127,8 +137,9 @@ def _dequantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return x if scale is None else x * scale.double().view(-1, 1)
 
 
-def reference(batch: Batch, scale: float) -> torch.Tensor:
-    """float64 dense attention, bottom-right causal, per sequence: [num_tokens, H, D]."""
+def reference(batch: Batch, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """float64 dense attention, bottom-right causal (within meta.window: a query at p sees
+    keys p - window + 1 .. p), per sequence: [num_tokens, H, D]."""
     outs, start = [], 0
     group = batch.q.shape[1] // batch.k_cache.shape[2]
     for k, v, n in zip(batch.k_full, batch.v_full, batch.meta.query_lens_cpu, strict=True):
@@ -136,7 +147,12 @@ def reference(batch: Batch, scale: float) -> torch.Tensor:
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         total = k.shape[0]
         s = torch.einsum("qhd,khd->hqk", q, k) * scale
-        visible = torch.arange(total)[None, :] <= (total - n + torch.arange(n))[:, None]
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        position = (total - n + torch.arange(n))[:, None]
+        visible = torch.arange(total)[None, :] <= position
+        if batch.meta.window is not None:
+            visible &= torch.arange(total)[None, :] > position - batch.meta.window
         s = s.masked_fill(~visible, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
         start += n
@@ -147,6 +163,7 @@ def check_attention(
     backend: str, batch_name: str, *, group: int, dtype: str = "float32", kv_dtype: str = "auto",
     scales: str | None = None, kv_heads: int = 2, head_dim: int = 32, page: int = 16,
     device: str = "cpu", mode: str = "auto", seed: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> float:
     """Write the new K/V, attend, compare with float64; returns the largest abs error.
 
@@ -158,7 +175,8 @@ def check_attention(
     dt = DTYPES[dtype]
     kvd = FP8 if kv_dtype == "fp8_e4m3" else dt
     b = make_batch(BATCHES[batch_name], kv_heads=kv_heads, group=group, head_dim=head_dim,
-                   dtype=dt, kv_dtype=kvd, scales=scales, page=page, device=device, gen=gen)
+                   dtype=dt, kv_dtype=kvd, scales=scales, page=page, device=device, gen=gen,
+                   window=window)
     mod = get_backend(backend, torch.device(device).type)
     sc = {"k_scale": b.k_scale, "v_scale": b.v_scale}
     before = b.k_cache.view(torch.uint8).clone() if kvd == FP8 else b.k_cache.clone()
@@ -171,11 +189,14 @@ def check_attention(
     else:
         splits = {"auto": None, "split3": 3}[mode]
         extra = {"num_kv_splits": splits} if splits else {}
+        if softcap is not None:
+            extra["softcap"] = softcap
         mod.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale, out=out, **sc, **extra)
-    expected = reference(b, scale)
+    expected = reference(b, scale, softcap)
     atol, rtol = TOLERANCES[dt]
     got = out.double().cpu()
-    msg = f"seed={seed} backend={backend} batch={batch_name} group={group} {dtype}/{kv_dtype}"
+    msg = (f"seed={seed} backend={backend} batch={batch_name} group={group} {dtype}/{kv_dtype} "
+           f"window={window} softcap={softcap}")
     torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, msg=lambda m: f"{msg}\n{m}")
     return float((got - expected).abs().max())
 
@@ -240,6 +261,7 @@ def matrix(backend: str) -> list[dict]:
               for p in (8, 32)]
     cases += [dict(backend=backend, batch_name="mixed", group=4, dtype="bfloat16", head_dim=24)]
     cases += [dict(backend=backend, batch_name="long", group=4, dtype="float32")]
+    cases += window_cases(backend)
     if backend == "triton":
         cases += [dict(backend=backend, batch_name="mixed", group=g, dtype="bfloat16",
                        mode="varlen") for g in (1, 8)]
@@ -248,6 +270,17 @@ def matrix(backend: str) -> list[dict]:
                            (1, "float32", "split3", {}), (8, "bfloat16", "split3", {}),
                            (4, "float16", "split3", dict(kv_dtype="fp8_e4m3", scales="head")),
                            (4, "bfloat16", "varlen", {}))]
+    return cases
+
+
+def window_cases(backend: str) -> list[dict]:
+    """Sliding windows of 1, 16, 17 and longer than the sequences; Gemma 2's soft-capping."""
+    cases = [dict(backend=backend, batch_name="window", group=g, dtype="float32", window=w)
+             for w in WINDOWS for g in (1, 4)]
+    cases += [dict(backend=backend, batch_name="window", group=2, dtype=dt, window=17)
+              for dt in ("float16", "bfloat16")]
+    cases += [dict(backend=backend, batch_name="window", group=2, dtype="float32", window=w,
+                   softcap=2.0) for w in (None, 17)]
     return cases
 
 

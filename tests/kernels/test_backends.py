@@ -65,8 +65,10 @@ def _fake_fa3(calls: list[dict]) -> types.ModuleType:
     """flash_attn_with_kvcache with FA3's documented semantics, in float64 torch."""
 
     def flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, cu_seqlens_q,
-                                max_seqlen_q, softmax_scale, causal):
-        calls.append(dict(page_table=page_table.dtype, causal=causal, max_seqlen_q=max_seqlen_q))
+                                max_seqlen_q, softmax_scale, causal, window_size=(-1, -1),
+                                softcap=0.0):
+        calls.append(dict(page_table=page_table.dtype, causal=causal, max_seqlen_q=max_seqlen_q,
+                          window_size=window_size, softcap=softcap))
         page, kvh = k_cache.shape[1], k_cache.shape[2]
         group = q.shape[1] // kvh
         out = torch.empty_like(q)
@@ -78,6 +80,11 @@ def _fake_fa3(calls: list[dict]) -> types.ModuleType:
             v = v_cache[blocks, pos % page].double().repeat_interleave(group, 1)
             sc = torch.einsum("qhd,khd->hqk", q[s:e].double(), k) * softmax_scale
             visible = pos[None, :] <= (n - (e - s) + torch.arange(e - s))[:, None]  # bottom-right
+            if window_size[0] >= 0:  # left keys before the query's own
+                visible &= pos[None, :] >= (n - (e - s) + torch.arange(e - s))[:, None] - (
+                    window_size[0])
+            if softcap:
+                sc = torch.tanh(sc / softcap) * softcap
             sc = sc.masked_fill(~visible, float("-inf"))
             out[s:e] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), v).to(q.dtype)
         return out
@@ -99,7 +106,14 @@ def test_flash_attn_adapter_maps_metadata_to_fa3(monkeypatch):
         get_backend("torch").write_kv(b.key, b.value, b.k_cache, b.v_cache, b.meta.slot_mapping)
         out = backend.paged_attention(b.q, b.k_cache, b.v_cache, b.meta, 1 / math.sqrt(32))
         torch.testing.assert_close(out.double(), reference(b, 1 / math.sqrt(32)))
-        assert calls == [dict(page_table=torch.int32, causal=True, max_seqlen_q=16)]
+        assert calls == [dict(page_table=torch.int32, causal=True, max_seqlen_q=16,
+                              window_size=(-1, -1), softcap=0.0)]
+        windowed = b.meta.with_window(7)
+        out = backend.paged_attention(b.q, b.k_cache, b.v_cache, windowed, 1 / math.sqrt(32),
+                                      softcap=3.0)
+        b.meta = windowed
+        torch.testing.assert_close(out.double(), reference(b, 1 / math.sqrt(32), 3.0))
+        assert calls[-1]["window_size"] == (6, 0) and calls[-1]["softcap"] == 3.0
         with pytest.raises(ValueError, match="FP8"):
             cache8 = b.k_cache.to(torch.float8_e4m3fn)
             backend.paged_attention(b.q, cache8, cache8, b.meta, 1.0)

@@ -64,13 +64,16 @@ def test_cpu_write_kv_of_strided_rows_equals_the_torch_backend():
 
 # (cached, new) decodes: one long sequence split across threads, and beside it a short one
 # whose later splits hold no blocks.
+# With a window, the splits cover the window's blocks only (its first one from mid-block).
 @pytest.mark.parametrize("seqs", [[(2100, 1)], [(2100, 1), (3, 1)], [(600, 1), (1200, 1)]])
 @pytest.mark.parametrize("num_threads", [1, 2, 8])
 @pytest.mark.parametrize("group", [1, 4])
-def test_split_kv_decode_matches_float64(seqs, num_threads, group):
+@pytest.mark.parametrize("window", [None, 1, 777])
+def test_split_kv_decode_matches_float64(seqs, num_threads, group, window):
     gen = torch.Generator().manual_seed(len(seqs) * 100 + num_threads * 10 + group)
     b = make_batch(seqs, kv_heads=1, group=group, head_dim=64, dtype=torch.float32,
-                   kv_dtype=torch.float32, scales=None, page=16, device="cpu", gen=gen)
+                   kv_dtype=torch.float32, scales=None, page=16, device="cpu", gen=gen,
+                   window=window)
     cpu_backend.write_kv(b.key, b.value, b.k_cache, b.v_cache, b.meta.slot_mapping)
     scale = 1 / math.sqrt(64)
     out = torch.full_like(b.q, float("nan"))
