@@ -50,11 +50,6 @@ class EngineCore:
         self.max_model_len = _max_model_len(config, self.model_config)
         self.block_size = config.block_size
         self.num_gpu_blocks = self._num_blocks(model)
-        model_len = self.max_model_len
-        self.max_model_len = _fit_context(model_len, self.num_gpu_blocks, self.block_size)
-        # NOTE: said in errors, so that a client knows why its context is short
-        self._context_note = ("" if self.max_model_len == model_len else
-                              f" (what {self.num_gpu_blocks} KV blocks hold)")
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         kv_bytes = self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize
         block_bytes = self.block_size * kv_bytes
@@ -63,6 +58,14 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_gpu_blocks, self.block_size,
                                  config.enable_prefix_caching, self.num_cpu_blocks,
                                  self._kv_window(config, draft_model))
+        model_len = self.max_model_len
+        # NOTE: with window freeing a request holds at most its window's blocks, whatever its
+        # length; otherwise one block per block_size tokens
+        full = self.kv.max_blocks_held(model_len, config.max_num_batched_tokens)
+        self.max_model_len = _fit_context(model_len, self.num_gpu_blocks, self.block_size, full)
+        # NOTE: said in errors, so that a client knows why its context is short
+        self._context_note = ("" if self.max_model_len == model_len else
+                              f" (what {self.num_gpu_blocks} KV blocks hold)")
         # NOTE: counted before packing: packed weights are not Parameters
         self.num_params = sum(p.numel() for p in model.parameters())
         self.cpu_linear = self._pack(model)
@@ -286,11 +289,12 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _fit_context(max_model_len: int, num_blocks: int, block_size: int) -> int:
+def _fit_context(max_model_len: int, num_blocks: int, block_size: int, full_blocks: int) -> int:
     """The context length one request can really use: at most what the KV pool holds
-    (lowered with a warning, as vLLM does; ValueError if not even a tiny context fits)."""
+    (`full_blocks`: what a request of max_model_len tokens holds at its peak), lowered with a
+    warning as vLLM does; ValueError if not even a tiny context fits."""
     pool_tokens = num_blocks * block_size
-    if pool_tokens >= max_model_len:
+    if full_blocks <= num_blocks or pool_tokens >= max_model_len:
         return max_model_len
     if pool_tokens < min(_MIN_CONTEXT_TOKENS, max_model_len):
         raise ValueError(f"num_gpu_blocks: the KV pool ({num_blocks} blocks of {block_size} "

@@ -127,7 +127,6 @@ def check_args(ns: argparse.Namespace) -> EngineConfig:
     """Validate what argparse cannot; returns the engine config (ValueError names the flag)."""
     if ns.max_queued_requests is not None and ns.max_queued_requests < 1:
         raise ValueError("--max-queued-requests must be >= 1")
-    settings_from_args(ns)  # NOTE: GatewaySettings validates its own fields (ValueError)
     if ns.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be >= 0")
     for flag in ("header_timeout", "body_timeout"):
@@ -142,6 +141,7 @@ def check_args(ns: argparse.Namespace) -> EngineConfig:
         raise ValueError("--attach-engine needs --engine-input-addr and --engine-output-addr")
     if ns.chat_template is not None and not Path(ns.chat_template).is_file():
         raise ValueError(f"--chat-template {ns.chat_template!r} is not a file")
+    settings_from_args(ns)  # NOTE: GatewaySettings validates its own fields (ValueError)
     if ns.otlp_traces_endpoint:
         traces_url(ns.otlp_traces_endpoint)
         if importlib.util.find_spec("opentelemetry.sdk") is None:
