@@ -19,6 +19,7 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig, SpecConfig
+from engine.structured import GrammarCompiler, build_lltokenizer
 from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig
 from ipc.messages import AddRequest, EngineStats, TokenDelta
@@ -27,6 +28,7 @@ from kernels import get_backend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # auto: the model's dtype
+_GRAMMAR_POLL_S = 0.005  # longest wait for a compiling grammar when nothing else can run
 
 
 class EngineCore:
@@ -79,6 +81,10 @@ class EngineCore:
                                 self.kv_dtype, self.num_cpu_blocks)
         if self.device.type == "cpu":
             tune_malloc()  # NOTE: after loading and packing (engine/allocator.py says why)
+        vocab = self.model_config.vocab_size
+        self.grammars = GrammarCompiler(
+            lambda: build_lltokenizer(self.tokenizer_dir, vocab, self.eos_token_ids),
+            config.structured_output_compile_timeout)
         self.block_bytes = block_bytes
         self.step_count = 0
         self._prompt_tokens = 0
@@ -103,20 +109,23 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[TokenDelta]:
+        deltas = self.scheduler.admit_compiled()
         out = self.scheduler.schedule()
         if out.empty and not out.block_copies:
-            return []
+            if not deltas:  # NOTE: only grammars compiling: wait for one instead of spinning
+                self.scheduler.wait_for_grammar(_GRAMMAR_POLL_S)
+            return deltas
         self.step_count += 1
         sampled = self.runner.execute(out)
         self._count(out)
-        return self.scheduler.update(out, sampled)
+        return deltas + self.scheduler.update(out, sampled)
 
     def cached_block_hashes(self) -> list[bytes]:
         """Hashes of the blocks in the prefix cache (reported to the gateway for routing)."""
         return list(self.kv.pool.cached)
 
     def stats(self) -> EngineStats:
-        p, spec = self.scheduler.preemptions, self.scheduler.spec_stats
+        p, spec, g = self.scheduler.preemptions, self.scheduler.spec_stats, self.grammars.stats
         return EngineStats(
             step=self.step_count,
             num_running=len(self.scheduler.running),
@@ -139,6 +148,12 @@ class EngineCore:
             spec_accepted_tokens=spec.accepted_tokens,
             spec_verify_steps=spec.verify_steps,
             spec_accepted_by_position=list(spec.accepted_by_position),
+            grammar_compiles=g.compiles,
+            grammar_cache_hits=g.cache_hits,
+            grammar_waits=g.waited,
+            grammar_failures=g.failures,
+            grammar_compile_seconds_sum=g.compile_seconds_sum,
+            grammar_compile_seconds_buckets=list(g.compile_seconds_buckets),
         )
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -205,6 +220,8 @@ class EngineCore:
             for i in range(s.num_choices)
         ]
         choices[0].children = choices[1:]
+        if s.structured_outputs is not None:
+            choices[0].pending_grammar = self.grammars.submit(s.structured_outputs)
         return choices[0]
 
     def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
