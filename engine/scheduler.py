@@ -110,8 +110,7 @@ class Scheduler:
         self.groups[request.request_id] = [request, *request.children]
         if request.pending_grammar is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
-            self._compiling.append(request)
-            self.admit_compiled()  # NOTE: a cached grammar needs no wait
+            self._compiling.append(request)  # NOTE: the next step queues it (or ends it)
             return
         heapq.heappush(self._waiting, (request.sort_key, request))
 

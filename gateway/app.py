@@ -22,7 +22,7 @@ from starlette.staticfiles import StaticFiles
 from gateway.auth import ApiKeyMiddleware
 from gateway.chunks import Accumulator, ChunkBuilder
 from gateway.errors import ApiError
-from gateway.generation import EngineClientLike, Generation
+from gateway.generation import EngineClientLike, Generation, Piece, piece_error
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document, package_version
 from gateway.protocol import (
@@ -98,19 +98,30 @@ class Handlers:
         headers = {"X-Request-Id": job.request_id}
         disconnected = self.gw.metrics.client_disconnects.inc
         if parsed.stream:
-            return EventStreamResponse(self._sse(gen), disconnected, headers)
+            pieces = aiter(gen)
+            first: list[Piece | None] = []
+            if job.sampling.structured_outputs is not None:
+                # NOTE: a grammar the engine refuses is the request's fault: answer 400, not a
+                # stream; the first piece (or the first tick, while it compiles) decides.
+                piece = await anext(pieces, None)
+                if piece is not None and piece.finish_reason == FINISH_ERROR:
+                    await gen.aclose()
+                    self.gw.finished(gen)
+                    return piece_error(piece).response()
+                first.append(piece)
+            return EventStreamResponse(self._sse(gen, pieces, first), disconnected, headers)
         return DisconnectAwareResponse(lambda: self._collect(gen, headers), disconnected)
 
-    async def _sse(self, gen: Generation) -> AsyncIterator[bytes]:
+    async def _sse(self, gen: Generation, pieces: AsyncIterator[Piece | None],
+                   first: list[Piece | None]) -> AsyncIterator[bytes]:
         builder = ChunkBuilder(gen, self.gw.namer())
         try:
-            async for piece in gen:
+            async for piece in _chain(first, pieces):
                 if piece is None:
                     yield PING
                     continue
                 if piece.finish_reason == FINISH_ERROR:
-                    error = ApiError(500, piece.error or "the engine failed", "engine_error")
-                    yield sse_event(error.envelope())
+                    yield sse_event(piece_error(piece).envelope())
                     break
                 chunk = builder.chunk(piece)
                 if chunk is not None:
@@ -130,8 +141,7 @@ class Handlers:
                 if piece is None:
                     continue
                 if piece.finish_reason == FINISH_ERROR:
-                    return ApiError(500, piece.error or "the engine failed",
-                                    "engine_error").response()
+                    return piece_error(piece).response()
                 acc.add(piece)
         finally:
             await gen.aclose()
@@ -179,6 +189,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _server_error(request: Request, exc: Exception) -> Response:
     """A bug's 500 in the API's error shape (Starlette still re-raises it for the server's log)."""
     return ApiError(500, "internal server error", "internal_error").response()
+
+
+async def _chain(first: list[Piece | None],
+                 rest: AsyncIterator[Piece | None]) -> AsyncIterator[Piece | None]:
+    for piece in first:
+        yield piece
+    async for piece in rest:
+        yield piece
 
 
 def _json(payload: object, headers: dict[str, str] | None = None) -> Response:

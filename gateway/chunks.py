@@ -15,14 +15,19 @@ from gateway.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     Delta,
+    FunctionCall,
+    FunctionCallDelta,
     Message,
     PromptTokensDetails,
     Timeline,
     TokenLogprobs,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
-from ipc.messages import PositionLogprobs
+from gateway.tool_calls import CallEvent
+from ipc.messages import FINISH_STOP, PositionLogprobs
 
 Chunk = ChatCompletionChunk | Completion
 
@@ -90,20 +95,29 @@ class ChunkBuilder:
         self._namer = namer
         self._sent_role = False
         self._offset = 0
+        self._tools = gen.job.tool_parser() if gen.job.tool_parser is not None else None
 
     def chunk(self, piece: Piece) -> Chunk | None:
         job = self._gen.job
         wants_logprobs = job.sampling.logprobs is not None and piece.logprobs
-        if not (piece.text or piece.finish_reason or wants_logprobs or not self._sent_role):
+        text, calls = piece.text, None
+        if self._tools is not None:
+            events = self._tools.feed(piece.text, final=piece.finish_reason is not None)
+            text = "".join(e.content for e in events if e.index is None)
+            calls = _call_deltas(events) or None
+        if not (text or calls or piece.finish_reason or wants_logprobs or not self._sent_role):
             return None
         timeline = timeline_of(self._gen) if piece.finish_reason else UNSET
         if job.kind == "chat":
-            delta = Delta(content=piece.text or None)
+            delta = Delta(content=text or None, tool_calls=calls)
             if not self._sent_role:
-                delta.role, delta.content = "assistant", piece.text
+                delta.role, delta.content = "assistant", text
                 self._sent_role = True
             lp = self._namer.chat(piece.logprobs) if wants_logprobs else None
-            choice = ChatChunkChoice(0, delta, lp, piece.finish_reason)
+            finish = piece.finish_reason
+            if finish == FINISH_STOP and self._tools is not None and self._tools.calls:
+                finish = "tool_calls"
+            choice = ChatChunkChoice(0, delta, lp, finish)
             return ChatCompletionChunk(job.request_id, job.created, job.model, [choice],
                                        timeline=timeline)
         lp = self._namer.completion(piece.logprobs, self._offset) if wants_logprobs else None
@@ -140,10 +154,35 @@ class Accumulator:
         want = job.sampling.logprobs is not None
         if job.kind == "chat":
             lp = self._namer.chat(self._logprobs) if want else None
-            choice = ChatChoice(0, Message("assistant", text), lp, finish_reason)
+            message = Message("assistant", text)
+            if job.tool_parser is not None:
+                parser = job.tool_parser()
+                events = parser.feed(text, final=True)
+                if parser.calls:
+                    content = "".join(e.content for e in events if e.index is None).strip()
+                    message = Message("assistant", content or None, [
+                        ToolCall(i, FunctionCall(name, args)) for i, name, args in parser.calls])
+                    if finish_reason == FINISH_STOP:
+                        finish_reason = "tool_calls"
+            choice = ChatChoice(0, message, lp, finish_reason)
             return ChatCompletion(job.request_id, job.created, job.model, [choice],
                                   usage_of(self._gen), timeline=timeline_of(self._gen))
         lp = self._namer.completion(self._logprobs, 0) if want else None
         return Completion(job.request_id, job.created, job.model,
                           [CompletionChoice(0, text, lp, finish_reason)], usage_of(self._gen),
                           timeline=timeline_of(self._gen))
+
+
+def _call_deltas(events: list[CallEvent]) -> list[ToolCallDelta]:
+    """A piece's call events as OpenAI tool_call deltas, argument fragments merged per call."""
+    out: list[ToolCallDelta] = []
+    for e in events:
+        if e.index is None:
+            continue
+        if e.name is not None:
+            out.append(ToolCallDelta(e.index, FunctionCallDelta(e.name, ""), e.id, "function"))
+        elif out and out[-1].index == e.index:
+            out[-1].function.arguments = (out[-1].function.arguments or "") + e.arguments
+        else:
+            out.append(ToolCallDelta(e.index, FunctionCallDelta(arguments=e.arguments)))
+    return out

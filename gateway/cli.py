@@ -21,6 +21,7 @@ import uvicorn
 
 from gateway.app import build_app
 from gateway.service import Gateway, GatewaySettings
+from gateway.tool_calls import PARSERS
 from gateway.tracing import traces_url
 from ipc import exit_codes
 from ipc.config import EngineConfig, add_engine_args, config_from_args
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318): one span per "
                             "request; needs pip install 'pagedserve[otel]' "
                             "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off)")
+    group.add_argument("--tool-call-parser", default=GatewaySettings.tool_call_parser,
+                       choices=PARSERS,
+                       help="how replies are split into content and tool calls; auto and hermes "
+                            "read <tool_call>{...}</tool_call> (default: auto)")
     _add_engine_process_args(serve)
     add_engine_args(serve)
     commands.add_parser("engine", help="run one engine process (python -m engine ...)",
@@ -152,6 +157,7 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
         api_key=ns.api_key or None, max_queued_requests=ns.max_queued_requests,
         allowed_origins=origins, max_body_bytes=ns.max_body_bytes,
         otlp_traces_endpoint=ns.otlp_traces_endpoint or None,
+        tool_call_parser=ns.tool_call_parser,
     )
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
 
+from gateway.errors import ApiError
 from gateway.metrics import Metrics
 from ipc.messages import (
     FINISH_ABORT,
@@ -72,6 +73,7 @@ class Job:
     arrival: float = field(default_factory=time.time)
     trace_headers: dict[str, str] = field(default_factory=dict)  # traceparent of the caller
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_parser: Callable[[], Any] | None = None  # splits replies into content and tool calls
 
 
 @dataclass
@@ -83,6 +85,15 @@ class Piece:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    error_param: str | None = None  # the request field at fault (a grammar that failed)
+
+
+def piece_error(piece: Piece) -> ApiError:
+    """The client's error for a piece that ended in FINISH_ERROR: 400 naming the field when
+    the request was at fault (a grammar the engine refused), else 500."""
+    if piece.error_param is not None:
+        return ApiError(400, piece.error or "invalid request", "invalid_value", piece.error_param)
+    return ApiError(500, piece.error or "the engine failed", "engine_error")
 
 
 class Generation:
@@ -203,7 +214,8 @@ class Generation:
             self.finish_reason = delta.finish_reason
             self.finished_time = time.time()
             safe += self._stops.flush()
-            return Piece(safe, ids, delta.logprobs, delta.finish_reason, delta.error)
+            return Piece(safe, ids, delta.logprobs, delta.finish_reason, delta.error,
+                         delta.error_param)
         if safe or ids:
             return Piece(safe, ids, delta.logprobs)
         return None

@@ -6,13 +6,13 @@ Unknown request fields are ignored, as OpenAI's SDKs send fields a server may no
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from gateway.errors import ApiError
-from ipc.sampling import SamplingParams
+from ipc.sampling import SamplingParams, StructuredOutputs
 
 Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
 PosInt = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
@@ -33,10 +33,72 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct):
+    """A call the assistant made (in replies, and in assistant messages sent back)."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: which call this is the result of
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    name: str
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(msgspec.Struct):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; None: no parameters
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -65,6 +127,15 @@ class _Common(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's removed guided decoding fields: refused with a 400 naming structured_outputs
+    guided_json: msgspec.Raw | UnsetType = UNSET
+    guided_regex: msgspec.Raw | UnsetType = UNSET
+    guided_choice: msgspec.Raw | UnsetType = UNSET
+    guided_grammar: msgspec.Raw | UnsetType = UNSET
+    guided_decoding_backend: msgspec.Raw | UnsetType = UNSET
+    guided_whitespace_pattern: msgspec.Raw | UnsetType = UNSET
 
     @property
     def include_usage(self) -> bool:
@@ -84,6 +155,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     logprobs: bool = False
     top_logprobs: NonNegInt | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: auto with tools, none without
+    parallel_tool_calls: bool = True
 
     @property
     def num_logprobs(self) -> int | None:
@@ -156,7 +230,8 @@ def check_request(request: AnyRequest) -> None:
             )
 
 
-def to_sampling(request: AnyRequest, max_tokens: int, max_logprobs: int) -> SamplingParams:
+def to_sampling(request: AnyRequest, max_tokens: int, max_logprobs: int,
+                structured: StructuredOutputs | None = None) -> SamplingParams:
     """Map a request onto SamplingParams; its ValueError becomes a 400 naming the field."""
     num_logprobs = request.num_logprobs
     if num_logprobs is not None and num_logprobs > max_logprobs:
@@ -182,6 +257,7 @@ def to_sampling(request: AnyRequest, max_tokens: int, max_logprobs: int) -> Samp
             logprobs=num_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            structured_outputs=structured,
             **{k: v for k, v in given.items() if v is not None},
         )
     except ValueError as exc:
@@ -245,12 +321,29 @@ class CompletionLogprobs(msgspec.Struct):
 
 class Message(msgspec.Struct):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # left out when the reply made no calls
+
+
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None  # in the first delta of a call only
+    arguments: str | None = None  # a fragment of the arguments' JSON text
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A streamed call: the first delta carries id, type and name; later ones only index and
+    argument fragments (as OpenAI streams them)."""
+
+    index: int
+    function: FunctionCallDelta
+    id: str | None = None
+    type: str | None = None
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChoice(msgspec.Struct):

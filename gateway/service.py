@@ -16,7 +16,9 @@ from gateway.errors import ApiError, unavailable
 from gateway.generation import EngineClientLike, Generation, Job
 from gateway.metrics import Metrics
 from gateway.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, to_sampling
+from gateway.structured import structured_for, tool_choice_of
 from gateway.tokenizer import Tokenizer
+from gateway.tool_calls import parser_for, template_messages
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTracer
@@ -34,6 +36,7 @@ class GatewaySettings:
     drain_retry_after: int = 5
     ws_send_queue: int = 256  # frames queued per WebSocket before it is closed 1013
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: a span per request
+    tool_call_parser: str = "auto"  # how replies are split into content and tool calls
 
 
 def _engine_exception_types() -> tuple[type[BaseException], ...]:
@@ -109,6 +112,7 @@ class Gateway:
         """Validate against the engine, tokenize, and build the Job (raises ApiError)."""
         self.require_ready()
         model = self.check_model(request.model)
+        structured = structured_for(request)
         prompt_ids = self._prompt_ids(request)
         max_model_len = self.client.info.max_model_len  # type: ignore[union-attr]
         max_tokens = request.requested_max_tokens
@@ -121,7 +125,7 @@ class Gateway:
                 "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
             )
         max_tokens = max_tokens or max_model_len - len(prompt_ids)
-        sampling = to_sampling(request, max_tokens, self.settings.max_logprobs)
+        sampling = to_sampling(request, max_tokens, self.settings.max_logprobs, structured)
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
         request_id = request.request_id or f"{prefix}-{uuid.uuid4().hex}"
         if request_id in self.generations:
@@ -136,7 +140,15 @@ class Gateway:
             priority=request.priority,
             include_usage=request.include_usage,
             cache_salt=request.cache_salt,
+            tool_parser=self._tool_parser(request),
         )
+
+    def _tool_parser(self, request: AnyRequest):
+        if not isinstance(request, ChatCompletionRequest) or not request.tools:
+            return None
+        if tool_choice_of(request) == "none":
+            return None
+        return parser_for(self.settings.tool_call_parser)
 
     def start(self, job: Job) -> Generation:
         """Admit a Job: overload and engine-down become 503 with Retry-After."""
@@ -192,7 +204,8 @@ class Gateway:
                 ids = list(prompt)  # type: ignore[arg-type]
         else:
             messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
-            ids = tok.apply_chat_template(messages, request.add_generation_prompt)
+            messages, tools = template_messages(request, messages, tok.has_tools_branch)
+            ids = tok.apply_chat_template(messages, request.add_generation_prompt, tools)
         if not ids:
             raise ApiError(400, "the prompt is empty", "invalid_value", "prompt")
         if max(ids) >= tok.vocab_size:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -56,7 +57,11 @@ class Tokenizer:
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
         source = _template_source(directory, config)
-        self._template = _environment().from_string(source) if source else None
+        env = _environment()
+        self._template = env.from_string(source) if source else None
+        # NOTE: a template that reads `tools` renders them itself (e.g. Qwen2.5's Hermes block)
+        self.has_tools_branch = bool(source) and "tools" in jinja2.meta.find_undeclared_variables(
+            env.parse(source))
 
     @property
     def vocab_size(self) -> int:
@@ -77,7 +82,8 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if self._template is None:
             raise ApiError(
@@ -88,16 +94,18 @@ class Tokenizer:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                **({"tools": tools} if tools else {}),
                 **self.special_tokens,
             )
         except jinja2.TemplateError as exc:
             raise TemplateError(str(exc)) from None
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation (the template writes its own special tokens)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
 
 def _template_source(directory: Path, config: dict[str, Any]) -> str | None:

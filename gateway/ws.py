@@ -20,7 +20,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from gateway.auth import bearer_ok
 from gateway.chunks import ChunkBuilder, timeline_of, usage_of
 from gateway.errors import ApiError
-from gateway.generation import Generation
+from gateway.generation import Generation, piece_error
 from gateway.protocol import ChatCompletionRequest, decode_request
 from gateway.service import Gateway
 from gateway.tracing import trace_headers
@@ -262,8 +262,7 @@ class Session:
                 if piece is None:
                     continue
                 if piece.finish_reason == FINISH_ERROR:
-                    self._error(gen_id, ApiError(500, piece.error or "the engine failed",
-                                                 "engine_error"))
+                    self._error(gen_id, piece_error(piece))
                     return
                 chunk = builder.chunk(piece)
                 if chunk is not None:

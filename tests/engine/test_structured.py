@@ -153,8 +153,9 @@ def test_failed_grammars_end_only_their_request(tiny_model_dir):
     assert llm.engine.kv.num_free_blocks == 64
     stats = llm.engine.stats()
     assert stats.grammar_failures == 2 and stats.grammar_waits >= 3
-    again = llm.generate("e", ok)[0]  # the engine keeps serving; the grammar is cached
-    assert again.text in ("up", "down") and llm.engine.stats().grammar_cache_hits >= 1
+    again, cached_bad = llm.generate(["e", "f"], [ok, bad])  # the engine keeps serving
+    assert again.text in ("up", "down") and llm.engine.stats().grammar_cache_hits >= 2
+    assert cached_bad.finish_reason == "error"  # a cached failure still ends its request
 
 
 def test_prefix_cache_hit_and_stop_strings_with_a_grammar(llm):

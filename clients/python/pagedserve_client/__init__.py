@@ -30,6 +30,8 @@ from pagedserve_client._types import (
     GenerationStatus,
     Model,
     ModelList,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from pagedserve_client._ws import Generation, WebSocketClient
@@ -41,5 +43,6 @@ __all__ = [
     "GenerationDone", "GenerationStatus", "InternalServerError", "Model", "ModelList",
     "NotFoundError", "PagedServeError", "PermissionDeniedError", "RateLimitError",
     "RequestTooLargeError", "SSEDecoder", "ServerSentEvent", "ServiceUnavailableError", "Stream",
-    "StreamError", "UnprocessableEntityError", "Usage", "WebSocketClient",
+    "StreamError", "ToolCall", "ToolCallDelta", "UnprocessableEntityError", "Usage",
+    "WebSocketClient",
 ]
