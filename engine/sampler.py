@@ -92,14 +92,13 @@ class Sampler:
             return logits
         masker = self.masker(logits.shape[1])
         masked = masker.apply(logits, rows, [requests[i].grammar for i in rows])
-        idx = torch.tensor(rows, device=logits.device)
-        dead = torch.isneginf(masked[idx]).all(dim=-1)
-        if bool(dead.any()):
-            # NOTE: min_tokens banned the only tokens the grammar allows (its end): the grammar
-            # wins, or the row would have nothing to sample.
-            for row in idx[dead].tolist():
-                masked[row] = masker.apply(logits[row : row + 1], [0],
-                                           [requests[row].grammar])[0]
+        for row in rows:
+            r = requests[row]
+            if r.num_output_tokens < r.sampling.min_tokens and bool(
+                    torch.isneginf(masked[row]).all()):
+                # NOTE: min_tokens banned the only tokens the grammar allows (its end): the
+                # grammar wins, or the row would have nothing to sample.
+                masked[row] = masker.apply(logits[row : row + 1], [0], [r.grammar])[0]
         return masked
 
     def masker(self, vocab_size: int) -> Masker:

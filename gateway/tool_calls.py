@@ -104,6 +104,7 @@ class HermesParser:
     calls: list[tuple[str, str, str]] = field(default_factory=list)  # (id, name, arguments)
     _buf: str = ""
     _call: _Call | None = None
+    _after_call: bool = False  # whitespace right after a call is not content
 
     def feed(self, text: str, final: bool = False) -> list[CallEvent]:
         self._buf += text
@@ -114,12 +115,11 @@ class HermesParser:
                 if start < 0:
                     keep = 0 if final else _partial_suffix(self._buf, TOOL_CALL_START)
                     cut = len(self._buf) - keep
-                    if cut:
-                        events.append(CallEvent(content=self._buf[:cut]))
+                    self._content(self._buf[:cut], events)
                     self._buf = self._buf[cut:]
                     return events
-                if start:
-                    events.append(CallEvent(content=self._buf[:start]))
+                self._content(self._buf[:start], events)
+                self._after_call = True
                 self._buf = self._buf[start + len(TOOL_CALL_START):]
                 self._call = _Call(len(self.calls))
                 self.calls.append(("", "", ""))
@@ -134,6 +134,13 @@ class HermesParser:
                 return events
             self._buf = self._buf[len(TOOL_CALL_END):]
             self._call = None
+
+    def _content(self, text: str, events: list[CallEvent]) -> None:
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        if text:
+            events.append(CallEvent(content=text))
 
     def _advance(self, call: _Call) -> list[CallEvent]:
         events = []

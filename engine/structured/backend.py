@@ -112,7 +112,6 @@ class Masker:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self._executor = llguidance.LLExecutor()
-        self._shifts = torch.arange(32, dtype=torch.int32)
 
     def bitmask(self, matchers: Sequence[Matcher]) -> np.ndarray:
         """int32 [len(matchers), ceil(vocab / 32)]: bit t of row i set = token t allowed."""
@@ -126,9 +125,9 @@ class Masker:
 
     def allowed(self, bitmask: np.ndarray) -> torch.Tensor:
         """bool [rows, vocab] from an int32 bitmask."""
-        words = torch.from_numpy(bitmask)
-        bits = (words[:, :, None] >> self._shifts) & 1  # [rows, words, 32]
-        return bits.view(len(bitmask), -1)[:, : self.vocab_size].bool()
+        # NOTE: little-endian bit order within each int32 word = token order within bytes
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits[:, : self.vocab_size]).view(torch.bool)
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int],
               matchers: Sequence[Matcher]) -> torch.Tensor:
@@ -136,6 +135,8 @@ class Masker:
         if not rows:
             return logits
         allowed = self.allowed(self.bitmask(matchers)).to(logits.device)
+        if len(rows) == logits.shape[0]:  # NOTE: rows are distinct: every row, in order
+            return logits.masked_fill(~allowed, float("-inf"))
         logits = logits.clone()
         idx = torch.tensor(list(rows), device=logits.device)
         logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
