@@ -114,16 +114,19 @@ class ChunkBuilder:
                 delta.role, delta.content = "assistant", text
                 self._sent_role = True
             lp = self._namer.chat(piece.logprobs) if wants_logprobs else None
-            finish = piece.finish_reason
-            if finish == FINISH_STOP and self._tools is not None and self._tools.calls:
-                finish = "tool_calls"
-            choice = ChatChunkChoice(0, delta, lp, finish)
+            choice = ChatChunkChoice(0, delta, lp, self.finish_reason(piece.finish_reason))
             return ChatCompletionChunk(job.request_id, job.created, job.model, [choice],
                                        timeline=timeline)
         lp = self._namer.completion(piece.logprobs, self._offset) if wants_logprobs else None
         self._offset += len(piece.text)
         choice = CompletionChoice(0, piece.text, lp, piece.finish_reason)
         return Completion(job.request_id, job.created, job.model, [choice], timeline=timeline)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The client's finish_reason: a stop after tool calls is `tool_calls`."""
+        if reason == FINISH_STOP and self._tools is not None and self._tools.calls:
+            return "tool_calls"
+        return reason
 
     def usage_chunk(self) -> Chunk:
         job = self._gen.job

@@ -276,7 +276,7 @@ class Session:
             self.tasks.pop(gen_id, None)
         status = "cancelled" if cancelled or gen.finish_reason == FINISH_ABORT else "completed"
         self.push({"type": "generation.done", "id": gen_id, "status": status,
-                   "finish_reason": gen.finish_reason,
+                   "finish_reason": builder.finish_reason(gen.finish_reason),
                    "usage": msgspec.to_builtins(usage_of(gen)),
                    "timeline": msgspec.to_builtins(timeline_of(gen))})
 

@@ -4,6 +4,7 @@ streamed tool calls, a tool round trip, and grammars the engine refuses as 400s.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+import websockets
 
 from tests.e2e.test_serve import ROOT, _free_port, _wait_health
 
@@ -173,3 +175,27 @@ def test_refused_grammars_are_400s_naming_the_field(client, url):
     metrics = httpx.get(f"{url}/metrics").text
     assert "pagedserve_grammar_compile_seconds_count" in metrics
     assert "pagedserve_grammar_failures_total" in metrics
+
+
+async def test_websocket_generate_with_tools_and_a_refused_grammar(url):
+    request = {"messages": ASK, "max_tokens": 80, "temperature": 0, "tools": [WEATHER],
+               "tool_choice": "required", "parallel_tool_calls": False}
+    bad = {"messages": ASK, "max_tokens": 5, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}
+    async with websockets.connect(url.replace("http://", "ws://") + "/v1/ws",
+                                  subprotocols=["pagedserve.v1"]) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        await ws.send(json.dumps({"type": "generate", "id": "t", "request": request}))
+        await ws.send(json.dumps({"type": "generate", "id": "b", "request": bad}))
+        deltas, ends = [], {}
+        while len(ends) < 2:
+            frame = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            if frame["type"] == "generation.delta" and frame["id"] == "t":
+                deltas += frame["chunk"]["choices"][0]["delta"].get("tool_calls", [])
+            elif frame["type"] in ("generation.done", "error"):
+                ends[frame["id"]] = frame
+    assert ends["t"]["finish_reason"] == "tool_calls"
+    assert ends["b"]["type"] == "error" and ends["b"]["error"]["param"] == "response_format"
+    assert deltas[0]["function"]["name"] == "get_weather" and deltas[0]["id"]
+    arguments = "".join(d["function"].get("arguments", "") for d in deltas)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])

@@ -188,3 +188,17 @@ def test_waiting_for_grammar_is_not_finished():
     assert not RequestStatus.WAITING_FOR_GRAMMAR.finished
     assert RequestStatus.WAITING < RequestStatus.WAITING_FOR_GRAMMAR < RequestStatus.RUNNING
     assert all(s.finished for s in RequestStatus if s > RequestStatus.PREEMPTED)
+
+
+def test_abort_while_the_grammar_compiles(tiny_model_dir):
+    from ipc.messages import AddRequest
+
+    llm = LLM(str(tiny_model_dir), max_model_len=256, num_gpu_blocks=16)
+    core = llm.engine
+    schema = {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,4}$"}}
+    core.add_request(AddRequest(request_id="r", prompt_token_ids=[1, 2, 3],
+                                sampling=SamplingParams(structured_outputs=_json(schema))))
+    assert core.scheduler.groups["r"][0].status == RequestStatus.WAITING_FOR_GRAMMAR
+    (delta,) = core.abort_requests(["r"])
+    assert delta.finish_reason == "abort" and not core.has_unfinished_requests()
+    assert core.step() == [] and core.kv.num_free_blocks == 16
