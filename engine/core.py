@@ -19,7 +19,7 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig, SpecConfig
-from engine.structured import GrammarCompiler, build_lltokenizer
+from engine.structured.compiler import GrammarCompiler
 from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig
 from ipc.messages import AddRequest, EngineStats, TokenDelta
@@ -83,7 +83,7 @@ class EngineCore:
             tune_malloc()  # NOTE: after loading and packing (engine/allocator.py says why)
         vocab = self.model_config.vocab_size
         self.grammars = GrammarCompiler(
-            lambda: build_lltokenizer(self.tokenizer_dir, vocab, self.eos_token_ids),
+            lambda: _lltokenizer(self.tokenizer_dir, vocab, self.eos_token_ids),
             config.structured_output_compile_timeout)
         self.block_bytes = block_bytes
         self.step_count = 0
@@ -244,6 +244,12 @@ class EngineCore:
         if blocks < 1:
             raise ValueError("no memory left for the KV cache: raise the memory budget")
         return blocks
+
+
+def _lltokenizer(directory: str, vocab_size: int, eos_token_ids: list[int]):
+    from engine.structured.tokenizer import build_lltokenizer  # NOTE: llguidance, lazily
+
+    return build_lltokenizer(directory, vocab_size, eos_token_ids)
 
 
 def _spec_config(config: EngineConfig, num_layers: int) -> SpecConfig | None:

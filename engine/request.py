@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.structured import Matcher, PendingGrammar
 from ipc.messages import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 from ipc.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.backend import Matcher
+    from engine.structured.compiler import PendingGrammar
 
 
 class RequestStatus(enum.IntEnum):

@@ -14,7 +14,6 @@ import torch
 
 from engine import spec_decode
 from engine.request import Request
-from engine.structured import Masker
 from ipc.messages import PositionLogprobs, TokenLogprob
 from ipc.sampling import SamplingParams
 
@@ -36,7 +35,7 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self._masker: Masker | None = None  # built on the first request with a grammar
+        self._masker = None  # a Masker, built on the first request with a grammar
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: [len(requests), vocab] float32 -> one token per request."""
@@ -101,7 +100,9 @@ class Sampler:
                 masked[row] = masker.apply(logits[row : row + 1], [0], [r.grammar])[0]
         return masked
 
-    def masker(self, vocab_size: int) -> Masker:
+    def masker(self, vocab_size: int):
+        from engine.structured.backend import Masker  # NOTE: llguidance, lazily
+
         if self._masker is None or self._masker.vocab_size != vocab_size:
             self._masker = Masker(vocab_size)
         return self._masker

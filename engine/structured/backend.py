@@ -11,15 +11,8 @@ import numpy as np
 import torch
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
+from engine.structured.errors import GrammarError
 from ipc.sampling import StructuredOutputs
-
-
-class GrammarError(ValueError):
-    """llguidance refused the grammar (or it did not compile in time); `param` is the field."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def grammar_text(spec: StructuredOutputs) -> str:

@@ -10,12 +10,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import llguidance
-
-from engine.structured.backend import Grammar, GrammarError, grammar_text
+from engine.structured.errors import GrammarError
 from ipc.messages import GRAMMAR_COMPILE_BUCKETS
 from ipc.sampling import StructuredOutputs
+
+if TYPE_CHECKING:
+    from engine.structured.backend import Grammar
 
 
 @dataclass
@@ -83,13 +85,14 @@ class PendingGrammar:
 class GrammarCompiler:
     """Compiles StructuredOutputs specs on worker threads, caching grammars by spec key.
 
-    NOTE: llguidance drops the GIL while it compiles, so the busy loop keeps stepping.
+    NOTE: llguidance drops the GIL while it compiles, so the busy loop keeps stepping. It is
+    imported on the first compile: an engine that never sees a grammar never loads it.
     """
 
-    def __init__(self, make_tokenizer: Callable[[], llguidance.LLTokenizer], timeout: float,
+    def __init__(self, make_tokenizer: Callable[[], Any], timeout: float,
                  cache_size: int = 256, workers: int = 2) -> None:
         self._make_tokenizer = make_tokenizer
-        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer: Any = None  # llguidance.LLTokenizer, built on the first compile
         self._tokenizer_lock = threading.Lock()
         self._timeout = timeout
         self._cache: OrderedDict[tuple, _Compile] = OrderedDict()
@@ -112,7 +115,7 @@ class GrammarCompiler:
             self.stats.waited += 1
         return PendingGrammar(job, self._timeout, self.stats)
 
-    def tokenizer(self) -> llguidance.LLTokenizer:
+    def tokenizer(self) -> Any:
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._tokenizer = self._make_tokenizer()
@@ -122,6 +125,8 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, job: _Compile) -> None:
+        from engine.structured.backend import Grammar, grammar_text  # NOTE: llguidance, lazily
+
         try:
             tokenizer = self.tokenizer()
             job.started = time.monotonic()
