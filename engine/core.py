@@ -21,6 +21,7 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig, SpecConfig
+from engine.structured.compiler import GrammarCompiler
 from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig
 from ipc.messages import AddRequest, EngineStats, TokenDelta
@@ -33,6 +34,7 @@ _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # auto: the model's dtype
 _MIN_CONTEXT_TOKENS = 16
 
 log = logging.getLogger(__name__)
+_GRAMMAR_POLL_S = 0.005  # longest wait for a compiling grammar when nothing else can run
 
 
 class EngineCore:
@@ -94,6 +96,10 @@ class EngineCore:
                                 self.kv_dtype, self.num_cpu_blocks)
         if self.device.type == "cpu":
             tune_malloc()  # NOTE: after loading and packing (engine/allocator.py says why)
+        vocab = self.model_config.vocab_size
+        self.grammars = GrammarCompiler(
+            lambda: _lltokenizer(self.tokenizer_dir, vocab, self.eos_token_ids),
+            config.structured_output_compile_timeout)
         self.block_bytes = block_bytes
         self.step_count = 0
         self._prompt_tokens = 0
@@ -118,20 +124,23 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[TokenDelta]:
+        deltas = self.scheduler.admit_compiled()
         out = self.scheduler.schedule()
         if out.empty and not out.block_copies:
-            return []
+            if not deltas:  # NOTE: only grammars compiling: wait for one instead of spinning
+                self.scheduler.wait_for_grammar(_GRAMMAR_POLL_S)
+            return deltas
         self.step_count += 1
         sampled = self.runner.execute(out)
         self._count(out)
-        return self.scheduler.update(out, sampled)
+        return deltas + self.scheduler.update(out, sampled)
 
     def cached_block_hashes(self) -> list[bytes]:
         """Hashes of the blocks in the prefix cache (reported to the gateway for routing)."""
         return list(self.kv.pool.cached)
 
     def stats(self) -> EngineStats:
-        p, spec = self.scheduler.preemptions, self.scheduler.spec_stats
+        p, spec, g = self.scheduler.preemptions, self.scheduler.spec_stats, self.grammars.stats
         return EngineStats(
             step=self.step_count,
             num_running=len(self.scheduler.running),
@@ -154,6 +163,12 @@ class EngineCore:
             spec_accepted_tokens=spec.accepted_tokens,
             spec_verify_steps=spec.verify_steps,
             spec_accepted_by_position=list(spec.accepted_by_position),
+            grammar_compiles=g.compiles,
+            grammar_cache_hits=g.cache_hits,
+            grammar_waits=g.waited,
+            grammar_failures=g.failures,
+            grammar_compile_seconds_sum=g.compile_seconds_sum,
+            grammar_compile_seconds_buckets=list(g.compile_seconds_buckets),
         )
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -235,6 +250,8 @@ class EngineCore:
             for i in range(s.num_choices)
         ]
         choices[0].children = choices[1:]
+        if s.structured_outputs is not None:
+            choices[0].pending_grammar = self.grammars.submit(s.structured_outputs)
         return choices[0]
 
     def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
@@ -257,6 +274,12 @@ class EngineCore:
         if blocks < 1:
             raise ValueError("no memory left for the KV cache: raise the memory budget")
         return blocks
+
+
+def _lltokenizer(directory: str, vocab_size: int, eos_token_ids: list[int]):
+    from engine.structured.tokenizer import build_lltokenizer  # NOTE: llguidance, lazily
+
+    return build_lltokenizer(directory, vocab_size, eos_token_ids)
 
 
 def _spec_config(config: EngineConfig, num_layers: int) -> SpecConfig | None:

@@ -30,6 +30,8 @@ class CompletionOutput:
     cumulative_logprob: float | None = None  # with best_of: what the choices are ranked by
     # the engine's timeline of this choice (None when a stop string ended it here)
     metrics: RequestMetrics | None = None
+    error: str | None = None  # with finish_reason "error": why (e.g. a grammar that failed)
+    error_param: str | None = None  # and the request field at fault
 
 
 @dataclass
@@ -190,6 +192,7 @@ class _Choice:
         if delta.finished:
             out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
             out.metrics = delta.metrics
+            out.error, out.error_param = delta.error, delta.error_param
             return True
         return False
 

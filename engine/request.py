@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,17 +18,22 @@ from ipc.messages import (
 )
 from ipc.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from engine.structured.backend import Matcher
+    from engine.structured.compiler import PendingGrammar
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered: everything after PREEMPTED is finished."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_GRAMMAR = 1  # its grammar compiles on a worker thread; not yet queued
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def finished(self) -> bool:
@@ -89,6 +95,12 @@ class Request:
         self.prompt_logprobs: list[PositionLogprobs] | None = (
             [] if sampling.prompt_logprobs is not None and index == 0 else None)
         self.prompt_logprobs_sent = False
+        # structured outputs: the grammar while it compiles, then this choice's matcher (which
+        # consumes every output token, so it survives preemption by swap and by recompute)
+        self.pending_grammar: PendingGrammar | None = None
+        self.grammar: Matcher | None = None
+        self.error: str | None = None  # with FINISHED_ERROR: why
+        self.error_param: str | None = None  # and the request field at fault
         self.num_preemptions = 0
         # the timeline reported on the terminal delta (RequestMetrics)
         self.first_token_time: float | None = None
@@ -138,6 +150,8 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self._all_token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            self.error = f"the sampled token {token_id} broke the grammar: {self.grammar.error}"
         if self.first_token_time is None:
             self.first_token_time = time.time()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine import spec_decode
@@ -36,6 +37,7 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._masker = None  # a Masker, built on the first request with a grammar
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """logits: [len(requests), vocab] float32 -> one token per request."""
@@ -43,6 +45,7 @@ class Sampler:
         logits = self._apply_logit_bias(logits, requests)
         logits = self._apply_penalties(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
+        logits = self._apply_grammar(logits, requests)
         token_ids = self._sample(logits, requests)
         logprobs = self._logprobs(raw, token_ids, requests)
         return SamplerOutput(token_ids.tolist(), logprobs)
@@ -93,6 +96,30 @@ class Sampler:
                 logits[i, banned] = float("-inf")
         return logits
 
+    def _apply_grammar(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Tokens the request's grammar does not allow next go to -inf, before any sampling
+        rule (greedy too)."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return logits
+        masker = self.masker(logits.shape[1])
+        masked = masker.apply(logits, rows, [requests[i].grammar for i in rows])
+        for row in rows:
+            r = requests[row]
+            if r.num_output_tokens < r.sampling.min_tokens and bool(
+                    torch.isneginf(masked[row]).all()):
+                # NOTE: min_tokens banned the only tokens the grammar allows (its end): the
+                # grammar wins, or the row would have nothing to sample.
+                masked[row] = masker.apply(logits[row : row + 1], [0], [r.grammar])[0]
+        return masked
+
+    def masker(self, vocab_size: int):
+        from engine.structured.backend import Masker  # NOTE: llguidance, lazily
+
+        if self._masker is None or self._masker.vocab_size != vocab_size:
+            self._masker = Masker(vocab_size)
+        return self._masker
+
     # ---- sampling ------------------------------------------------------------------------
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -133,11 +160,34 @@ class Sampler:
         logits: [gamma + 1, vocab]; returns (the accepted drafts, the token after them).
         """
         s = req.sampling
+        if req.grammar is not None:
+            logits = self._mask_drafts(logits, req)
         target = logits if s.greedy else self.probs(logits, [s] * logits.shape[0])
         draft = req.spec_token_ids
         n, token = spec_decode.verify(draft, target, req.spec_draft_probs, s.greedy,
                                       req.generator or self.generator)
         return draft[:n], token
+
+    def _mask_drafts(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
+        """Mask each verified position with the grammar's state after the drafts before it.
+
+        Rows past the first draft the grammar refuses stay unmasked: that draft has
+        probability 0 under its masked row, so verification stops there.
+        """
+        matcher, draft = req.grammar, req.spec_token_ids
+        assert matcher is not None
+        masker = self.masker(logits.shape[1])
+        valid = matcher.valid_prefix(draft)
+        bitmask = np.empty((valid + 1, masker.words), dtype=np.int32)
+        for i in range(valid + 1):
+            matcher.fill(bitmask, i)
+            if i < valid:
+                matcher.accept(draft[i])
+        matcher.rollback(valid)  # NOTE: the kept tokens are consumed again when appended
+        allowed = masker.allowed(bitmask).to(logits.device)
+        logits = logits.clone()
+        logits[: valid + 1] = logits[: valid + 1].masked_fill(~allowed, float("-inf"))
+        return logits
 
     def _logprobs(
         self, raw: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]

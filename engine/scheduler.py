@@ -86,6 +86,7 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by sort_key
         self.swapped: list[Request] = []  # sorted by sort_key; they return before admissions
         self._waiting: list[tuple[tuple, Request]] = []  # heap by sort_key
+        self._compiling: list[Request] = []  # WAITING_FOR_GRAMMAR, in arrival order
         self.groups: dict[str, list[Request]] = {}  # request id -> its live choices
         self.beam_finished: dict[str, list[beam_search.Hypothesis]] = {}  # ended hypotheses
         self.preemptions = PreemptionStats()
@@ -95,7 +96,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._compiling)
 
     @property
     def num_preemptions(self) -> int:
@@ -107,7 +108,41 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a request; its other choices (request.children) fork after its prompt."""
         self.groups[request.request_id] = [request, *request.children]
+        if request.pending_grammar is not None:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self._compiling.append(request)  # NOTE: the next step queues it (or ends it)
+            return
         heapq.heappush(self._waiting, (request.sort_key, request))
+
+    def admit_compiled(self) -> list[TokenDelta]:
+        """Queue the requests whose grammar is ready; end those whose grammar failed."""
+        deltas: list[TokenDelta] = []
+        for req in list(self._compiling):
+            assert req.pending_grammar is not None
+            result = req.pending_grammar.poll()
+            if result is None:
+                continue
+            self._compiling.remove(req)
+            req.pending_grammar = None
+            req.status = RequestStatus.WAITING
+            choices = list(self.groups[req.request_id])
+            if isinstance(result, Exception):
+                for choice in choices:
+                    choice.error, choice.error_param = str(result), result.param
+                    self._finish(choice, RequestStatus.FINISHED_ERROR)
+                    deltas.append(_delta(choice, []))
+                continue
+            for choice in choices:  # n > 1: one matcher per choice, each from the start
+                choice.grammar = result.matcher()
+            heapq.heappush(self._waiting, (req.sort_key, req))
+        return deltas
+
+    def wait_for_grammar(self, timeout: float) -> None:
+        """Nothing else to run: block up to `timeout` s on the oldest compiling grammar."""
+        if self._compiling and not self.running and not self._waiting and not self.swapped:
+            pending = self._compiling[0].pending_grammar
+            assert pending is not None
+            pending.wait(timeout)
 
     def abort(self, request_ids: Iterable[str], index: int | None = None) -> list[TokenDelta]:
         """Finish live requests (all their choices, or only choice `index`) as aborted, freeing
@@ -174,8 +209,13 @@ class Scheduler:
         if gamma <= 0:
             return 0
         if spec.method == "ngram":
-            req.spec_token_ids = spec_decode.ngram_propose(
+            drafts = spec_decode.ngram_propose(
                 req.all_token_ids, gamma, spec.lookup_max, spec.lookup_min)
+            if req.grammar is not None:
+                # NOTE: a lookup proposal is a function of the context alone, so cutting it
+                # where the grammar would refuse it keeps verification exact.
+                drafts = drafts[: req.grammar.valid_prefix(drafts)]
+            req.spec_token_ids = drafts
         else:
             req.spec_token_ids = [0] * gamma  # placeholders: the runner drafts them
             out.drafts.append((req, gamma))
@@ -425,12 +465,16 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         s = req.sampling
+        if req.error is not None:
+            return RequestStatus.FINISHED_ERROR
         if req.num_output_tokens > s.min_tokens:
             if not s.ignore_eos and token in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in s.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.stopped:
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
@@ -438,6 +482,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            self._compiling.remove(req)
         elif req.swapped:
             self.swapped.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and any(
@@ -480,6 +526,8 @@ def _delta(req: Request, tokens: list[int], logprobs=None) -> TokenDelta:
         cumulative_logprob=req.cumulative_logprob if req.sampling.best_of else None,
         scheduled_time=req.scheduled_time if req.num_output_tokens == len(tokens) else None,
         metrics=_metrics(req) if req.finish_reason is not None else None,
+        error=req.error if req.finish_reason is not None else None,
+        error_param=req.error_param if req.finish_reason is not None else None,
     )
 
 

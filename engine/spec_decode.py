@@ -73,7 +73,8 @@ def verify(
     for i, token in enumerate(draft):
         q = target[i]
         p_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
-        if p_token > 0 and u[i] <= float(q[token]) / p_token:
+        # NOTE: strict `<`: a token with q = 0 (a grammar refuses it) is never kept, even at u = 0
+        if p_token > 0 and u[i] < float(q[token]) / p_token:
             continue
         if draft_probs is None:
             residual = q.clone()

@@ -23,7 +23,7 @@ from starlette.staticfiles import StaticFiles
 from gateway.auth import ApiKeyMiddleware
 from gateway.chunks import Accumulator, ChunkBuilder, response_of, usage_chunk
 from gateway.errors import ApiError
-from gateway.generation import EngineClientLike, Generation, merged
+from gateway.generation import EngineClientLike, Generation, Piece, merged, piece_error
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document, package_version
 from gateway.protocol import (
@@ -160,7 +160,19 @@ class Handlers:
         headers = {"X-Request-Id": job.response_id or job.request_id}
         disconnected = self.gw.metrics.client_disconnects.inc
         if parsed.stream:
-            return EventStreamResponse(self._sse(gens), disconnected, headers)
+            pieces = merged(gens)
+            first: list[tuple[int, Piece | None]] = []
+            if job.sampling.structured_outputs is not None:
+                # NOTE: a grammar the engine refuses is the request's fault: answer 400, not a
+                # stream; the first piece (or the first tick, while it compiles) decides.
+                item = await anext(pieces, None)
+                if item is not None and item[1] is not None and \
+                        item[1].finish_reason == FINISH_ERROR:
+                    await pieces.aclose()
+                    await self._close(gens)
+                    return piece_error(item[1]).response()
+                first += [] if item is None else [item]
+            return EventStreamResponse(self._sse(gens, pieces, first), disconnected, headers)
         return DisconnectAwareResponse(lambda: self._collect(gens, headers), disconnected)
 
     async def _close(self, gens: list[Generation]) -> None:
@@ -168,17 +180,18 @@ class Handlers:
             await gen.aclose()
             self.gw.finished(gen)
 
-    async def _sse(self, gens: list[Generation]) -> AsyncIterator[bytes]:
+    async def _sse(self, gens: list[Generation],
+                   pieces: AsyncIterator[tuple[int, Piece | None]],
+                   first: list[tuple[int, Piece | None]]) -> AsyncIterator[bytes]:
         namer = self.gw.namer()
         builders = [ChunkBuilder(g, namer, timeline=len(gens) == 1) for g in gens]
         try:
-            async for k, piece in merged(gens):
+            async for k, piece in _chain(first, pieces):
                 if piece is None:
                     yield PING
                     continue
                 if piece.finish_reason == FINISH_ERROR:
-                    error = ApiError(500, piece.error or "the engine failed", "engine_error")
-                    yield sse_event(error.envelope())
+                    yield sse_event(piece_error(piece).envelope())
                     break
                 chunk = builders[k].chunk(piece)
                 if chunk is not None:
@@ -198,8 +211,7 @@ class Handlers:
                 if piece is None:
                     continue
                 if piece.finish_reason == FINISH_ERROR:
-                    return ApiError(500, piece.error or "the engine failed",
-                                    "engine_error").response()
+                    return piece_error(piece).response()
                 accs[k].add(piece)
         finally:
             await self._close(gens)
@@ -246,6 +258,15 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _server_error(request: Request, exc: Exception) -> Response:
     """A bug's 500 in the API's error shape (Starlette still re-raises it for the server's log)."""
     return ApiError(500, "internal server error", "internal_error").response()
+
+
+async def _chain(first: list[tuple[int, Piece | None]],
+                 rest: AsyncIterator[tuple[int, Piece | None]]
+                 ) -> AsyncIterator[tuple[int, Piece | None]]:
+    for piece in first:
+        yield piece
+    async for piece in rest:
+        yield piece
 
 
 def _json(payload: object, headers: dict[str, str] | None = None) -> Response:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from msgspec import UNSET
 
 from gateway.generation import Generation, Piece
@@ -15,15 +18,20 @@ from gateway.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     Delta,
+    FunctionCall,
+    FunctionCallDelta,
     Message,
     PromptLogprob,
     PromptTokensDetails,
     Timeline,
     TokenLogprobs,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
-from ipc.messages import PositionLogprobs
+from gateway.tool_calls import CallEvent
+from ipc.messages import FINISH_STOP, PositionLogprobs
 
 Chunk = ChatCompletionChunk | Completion
 
@@ -138,24 +146,32 @@ class ChunkBuilder:
         self._timeline = timeline  # NOTE: False for batched prompts: a timeline is per prompt
         self._sent_role: set[int] = set()
         self._offset: dict[int, int] = {}
+        self._tools: dict[int, Any] = {}  # choice index -> its tool-call parser (chat + tools)
 
     def chunk(self, piece: Piece) -> Chunk | None:
         job = self._gen.job
         wants_logprobs = job.sampling.logprobs is not None and piece.logprobs
         first = piece.index not in self._sent_role
-        if not (piece.text or piece.finish_reason or wants_logprobs or first):
+        text, calls = piece.text, None
+        parser = self._parser(piece.index)
+        if parser is not None:
+            events = parser.feed(piece.text, final=piece.finish_reason is not None)
+            text = "".join(e.content for e in events if e.index is None)
+            calls = _call_deltas(events) or None
+        if not (text or calls or piece.finish_reason or wants_logprobs or first):
             return None
         last = piece.finish_reason is not None and self._gen.finish_reason is not None
         timeline = timeline_of(self._gen) if last and self._timeline else UNSET
         index = self._base + piece.index
-        text = job.echo + piece.text if first else piece.text
+        text = job.echo + text if first else text
         if job.kind == "chat":
-            delta = Delta(content=text or None)
+            delta = Delta(content=text or None, tool_calls=calls)
             if first:
                 delta.role, delta.content = "assistant", text
                 self._sent_role.add(piece.index)
             lp = self._namer.chat(piece.logprobs) if wants_logprobs else None
-            choice = ChatChunkChoice(index, delta, lp, piece.finish_reason)
+            reason = self.finish_reason(piece.finish_reason, piece.index)
+            choice = ChatChunkChoice(index, delta, lp, reason)
             return ChatCompletionChunk(self._id, job.created, job.model, [choice],
                                        timeline=timeline)
         self._sent_role.add(piece.index)
@@ -168,6 +184,23 @@ class ChunkBuilder:
             lp, prompt_lp = _prompt_parts(self._gen, self._namer, lp)
         choice = CompletionChoice(index, text, lp, piece.finish_reason, prompt_lp)
         return Completion(self._id, job.created, job.model, [choice], timeline=timeline)
+
+    def _parser(self, index: int) -> Any:
+        """Choice `index`'s tool-call parser (None: the request has no tools)."""
+        make = self._gen.job.tool_parser
+        if make is None:
+            return None
+        if index not in self._tools:
+            self._tools[index] = make()
+        return self._tools[index]
+
+    def finish_reason(self, reason: str | None, index: int = 0) -> str | None:
+        """The client's finish_reason for choice `index`: a stop after tool calls is
+        `tool_calls`."""
+        parser = self._tools.get(index)
+        if reason == FINISH_STOP and parser is not None and parser.calls:
+            return "tool_calls"
+        return reason
 
 
 def usage_chunk(gens: list[Generation]) -> Chunk:
@@ -221,12 +254,28 @@ class Accumulator:
             text = job.echo + "".join(c.text)
             if job.kind == "chat":
                 lp = self._namer.chat(c.logprobs) if want else None
-                out.append(ChatChoice(i, Message("assistant", text), lp, c.finish_reason))
+                message, reason = _message(job.tool_parser, text, c.finish_reason)
+                out.append(ChatChoice(i, message, lp, reason))
             else:
                 lp = self._namer.completion(c.logprobs, len(job.echo)) if want else None
                 lp, prompt_lp = _prompt_parts(self._gen, self._namer, lp)
                 out.append(CompletionChoice(i, text, lp, c.finish_reason, prompt_lp))
         return out
+
+
+def _message(tool_parser: Callable[[], Any] | None, text: str,
+             finish_reason: str | None) -> tuple[Message, str | None]:
+    """One choice's message, its tool calls split out by the request's parser (a stop after
+    calls is finish_reason `tool_calls`)."""
+    if tool_parser is not None:
+        parser = tool_parser()
+        events = parser.feed(text, final=True)
+        if parser.calls:
+            content = "".join(e.content for e in events if e.index is None).strip()
+            calls = [ToolCall(i, FunctionCall(name, args)) for i, name, args in parser.calls]
+            reason = "tool_calls" if finish_reason == FINISH_STOP else finish_reason
+            return Message("assistant", content or None, calls), reason
+    return Message("assistant", text), finish_reason
 
 
 def response_of(accs: list[Accumulator]) -> ChatCompletion | Completion:
@@ -242,3 +291,18 @@ def response_of(accs: list[Accumulator]) -> ChatCompletion | Completion:
     timeline = timeline_of(gens[0]) if len(gens) == 1 else UNSET
     return Completion(rid, job.created, job.model, choices, usage,  # type: ignore[arg-type]
                       timeline=timeline)
+
+
+def _call_deltas(events: list[CallEvent]) -> list[ToolCallDelta]:
+    """A piece's call events as OpenAI tool_call deltas, argument fragments merged per call."""
+    out: list[ToolCallDelta] = []
+    for e in events:
+        if e.index is None:
+            continue
+        if e.name is not None:
+            out.append(ToolCallDelta(e.index, FunctionCallDelta(e.name, ""), e.id, "function"))
+        elif out and out[-1].index == e.index:
+            out[-1].function.arguments = (out[-1].function.arguments or "") + e.arguments
+        else:
+            out.append(ToolCallDelta(e.index, FunctionCallDelta(arguments=e.arguments)))
+    return out

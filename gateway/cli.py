@@ -23,6 +23,7 @@ import uvicorn
 from gateway.app import build_app
 from gateway.read_timeouts import timed_h11_protocol
 from gateway.service import Gateway, GatewaySettings
+from gateway.tool_calls import PARSERS
 from gateway.tracing import traces_url
 from ipc import exit_codes
 from ipc.config import EngineConfig, add_engine_args, config_from_args
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318): one span per "
                             "request; needs pip install 'pagedserve[otel]' "
                             "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off)")
+    group.add_argument("--tool-call-parser", default=GatewaySettings.tool_call_parser,
+                       choices=PARSERS,
+                       help="how replies are split into content and tool calls; auto and hermes "
+                            "read <tool_call>{...}</tool_call> (default: auto)")
     _add_engine_process_args(serve)
     add_engine_args(serve)
     commands.add_parser("engine", help="run one engine process (python -m engine ...)",
@@ -193,6 +198,7 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
         split_special_tokens=ns.split_special_tokens, header_timeout=ns.header_timeout,
         body_timeout=ns.body_timeout,
         chat_template=Path(ns.chat_template).read_text() if ns.chat_template else None,
+        tool_call_parser=ns.tool_call_parser,
     )
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
 
+from gateway.errors import ApiError
 from gateway.metrics import Metrics
 from ipc.messages import (
     FINISH_ABORT,
@@ -79,6 +80,7 @@ class Job:
     response_id: str | None = None  # the response's id when it differs (batched prompts)
     index_base: int = 0  # the response's index of choice 0 (batched prompts: p * n)
     show_prompt_logprobs: bool = False  # the client asked vLLM's prompt_logprobs
+    tool_parser: Callable[[], Any] | None = None  # splits replies into content and tool calls
 
 
 @dataclass
@@ -93,6 +95,15 @@ class Piece:
     error: str | None = None
     index: int = 0
     cumulative_logprob: float | None = None  # with best_of: the choice's total so far
+    error_param: str | None = None  # the request field at fault (a grammar that failed)
+
+
+def piece_error(piece: Piece) -> ApiError:
+    """The client's error for a piece that ended in FINISH_ERROR: 400 naming the field when
+    the request was at fault (a grammar the engine refused), else 500."""
+    if piece.error_param is not None:
+        return ApiError(400, piece.error or "invalid request", "invalid_value", piece.error_param)
+    return ApiError(500, piece.error or "the engine failed", "engine_error")
 
 
 class Generation:
@@ -220,7 +231,8 @@ class Generation:
             return Piece(safe, ids, lp, FINISH_STOP, index=i, cumulative_logprob=total)
         if delta.finished:
             self._end_choice(i, delta.finish_reason)
-            return Piece(safe, ids, lp, delta.finish_reason, index=i, cumulative_logprob=total)
+            return Piece(safe, ids, lp, delta.finish_reason, delta.error, index=i,
+                         cumulative_logprob=total, error_param=delta.error_param)
         if safe or ids:
             return Piece(safe, ids, lp, index=i, cumulative_logprob=total)
         return None

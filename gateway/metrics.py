@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from ipc.messages import EngineStats
+from ipc.messages import GRAMMAR_COMPILE_BUCKETS, EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -46,6 +46,12 @@ _ENGINE_METRICS = (
      "Draft tokens the target accepted", "spec_accepted_tokens"),
     (CounterMetricFamily, "pagedserve_spec_decode_verify_steps",
      "Verifications (accepted / verify_steps = mean accepted length)", "spec_verify_steps"),
+    (CounterMetricFamily, "pagedserve_grammar_cache_hits",
+     "Structured-output requests whose grammar was already compiled", "grammar_cache_hits"),
+    (CounterMetricFamily, "pagedserve_grammar_waits",
+     "Requests that waited for their grammar to compile", "grammar_waits"),
+    (CounterMetricFamily, "pagedserve_grammar_failures",
+     "Grammars the engine refused or could not compile in time", "grammar_failures"),
 )
 
 
@@ -110,6 +116,15 @@ class _EngineCollector(Collector):
                                   "KV-cache usage: 1 means 100 percent", labels=["model_name"])
         usage.add_metric(model, _ratio(s.kv_blocks_total - s.kv_blocks_free, s.kv_blocks_total))
         yield usage
+        yield _grammar_histogram(s)
+
+
+def _grammar_histogram(s: EngineStats) -> HistogramMetricFamily:
+    counts = s.grammar_compile_seconds_buckets or [0] * (len(GRAMMAR_COMPILE_BUCKETS) + 1)
+    bounds = [str(b) for b in GRAMMAR_COMPILE_BUCKETS] + ["+Inf"]
+    return HistogramMetricFamily(
+        "pagedserve_grammar_compile_seconds", "Time to compile a structured-output grammar",
+        buckets=list(zip(bounds, counts, strict=True)), sum_value=s.grammar_compile_seconds_sum)
 
 
 def _ratio(part: float, whole: float) -> float:

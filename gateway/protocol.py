@@ -13,7 +13,7 @@ from msgspec import UNSET, UnsetType
 
 from gateway.errors import ApiError
 from gateway.refused import check_refused
-from ipc.sampling import SamplingParams
+from ipc.sampling import SamplingParams, StructuredOutputs
 
 Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
 PosInt = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
@@ -45,10 +45,72 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct):
+    """A call the assistant made (in replies, and in assistant messages sent back)."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: which call this is the result of
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    name: str
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(msgspec.Struct):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; None: no parameters
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -88,6 +150,9 @@ class _Common(msgspec.Struct, kw_only=True):
     echo: bool = False  # completions: the prompt first; chat: the last message, if assistant's
     prompt_logprobs: NonNegInt | None = None  # completions: logprobs of the prompt's tokens
     length_penalty: float = 1.0  # with use_beam_search: scores divided by length ** this
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's removed guided_* fields: gateway/refused.py answers them
 
     @property
     def include_usage(self) -> bool:
@@ -109,6 +174,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last message
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: auto with tools, none without
+    parallel_tool_calls: bool = True
 
     @property
     def num_logprobs(self) -> int | None:
@@ -214,7 +282,8 @@ def check_request(request: AnyRequest) -> None:
                            "prompt")
 
 
-def to_sampling(request: AnyRequest, max_tokens: int, max_logprobs: int) -> SamplingParams:
+def to_sampling(request: AnyRequest, max_tokens: int, max_logprobs: int,
+                structured: StructuredOutputs | None = None) -> SamplingParams:
     """Map a request onto SamplingParams; its ValueError becomes a 400 naming the field."""
     num_logprobs = request.num_logprobs
     if num_logprobs is not None and num_logprobs > max_logprobs:
@@ -253,6 +322,7 @@ def to_sampling(request: AnyRequest, max_tokens: int, max_logprobs: int) -> Samp
             length_penalty=request.length_penalty,
             logit_bias=_logit_bias(request.logit_bias),
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured,
             **{k: v for k, v in given.items() if v is not None},
         )
     except ValueError as exc:
@@ -339,12 +409,29 @@ class PromptLogprob(msgspec.Struct):
 
 class Message(msgspec.Struct):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # left out when the reply made no calls
+
+
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None  # in the first delta of a call only
+    arguments: str | None = None  # a fragment of the arguments' JSON text
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A streamed call: the first delta carries id, type and name; later ones only index and
+    argument fragments (as OpenAI streams them)."""
+
+    index: int
+    function: FunctionCallDelta
+    id: str | None = None
+    type: str | None = None
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChoice(msgspec.Struct):

@@ -11,19 +11,13 @@ import msgspec
 
 from gateway.errors import ApiError
 
-_STRUCTURED = "is not supported; structured outputs (`structured_outputs`) are not available"
-_GUIDED = ("was removed in vLLM; its replacement `structured_outputs` is not available here "
-           "either")
+_GUIDED = ("was removed in vLLM; use `structured_outputs` (json, regex, choice, grammar, "
+           "whitespace_pattern)")
 
 # field name -> why it is refused (the message says "`<field>` <why>")
 REFUSED_FIELDS: dict[str, str] = {
-    "response_format": _STRUCTURED,
-    "structured_outputs": "is not supported: constrained decoding is not available",
-    "tools": "is not supported: tool calling is not available",
-    "tool_choice": "is not supported: tool calling is not available",
-    "parallel_tool_calls": "is not supported: tool calling is not available",
-    "functions": "is not supported: function calling is not available",
-    "function_call": "is not supported: function calling is not available",
+    "functions": "is not supported: use `tools` (the legacy functions API is not)",
+    "function_call": "is not supported: use `tool_choice`",
     "suffix": "is not supported (insertion needs a fill-in-the-middle model)",
     "guided_json": _GUIDED,
     "guided_regex": _GUIDED,

@@ -16,7 +16,9 @@ from gateway.errors import ApiError, unavailable
 from gateway.generation import EngineClientLike, Generation, Job
 from gateway.metrics import Metrics
 from gateway.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, to_sampling
+from gateway.structured import structured_for, tool_choice_of
 from gateway.tokenizer import Tokenizer
+from gateway.tool_calls import parser_for, template_messages
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTracer
@@ -41,6 +43,7 @@ class GatewaySettings:
     split_special_tokens: bool = False  # client text's special-token strings stay plain text
     header_timeout: float = 10.0  # seconds to send a request's head (line and headers)
     body_timeout: float = 30.0  # seconds to send a request's whole body, once its head is in
+    tool_call_parser: str = "auto"  # how replies are split into content and tool calls
 
     def __post_init__(self) -> None:
         interval = self.sse_keepalive_interval
@@ -135,6 +138,7 @@ class Gateway:
         """Validate against the engine, tokenize, and build the Job (raises ApiError)."""
         self.require_ready()
         model = self.check_model(request.model)
+        structured = structured_for(request)
         # NOTE: the engine's context, already lowered to what its KV pool holds
         max_model_len = self.client.info.max_model_len  # type: ignore[union-attr]
         prompt_ids = await self._prompt_ids(request, max_model_len, prompt_index)
@@ -150,7 +154,8 @@ class Gateway:
             )
         # NOTE: the engine's --max-logprobs, reported in its handshake: one limit, not two
         info = self.client.info
-        sampling = to_sampling(request, max_tokens or room, info.max_logprobs)  # type: ignore[union-attr]
+        sampling = to_sampling(request, max_tokens or room, info.max_logprobs,  # type: ignore[union-attr]
+                               structured)
         self._check_ids(request)
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
         request_id = request_id or request.request_id or f"{prefix}-{uuid.uuid4().hex}"
@@ -168,7 +173,15 @@ class Gateway:
             cache_salt=request.cache_salt,
             echo=self._echo_text(request, prompt_index),
             show_prompt_logprobs=request.prompt_logprobs is not None,
+            tool_parser=self._tool_parser(request),
         )
+
+    def _tool_parser(self, request: AnyRequest):
+        if not isinstance(request, ChatCompletionRequest) or not request.tools:
+            return None
+        if tool_choice_of(request) == "none":
+            return None
+        return parser_for(self.settings.tool_call_parser)
 
     def start(self, job: Job) -> Generation:
         """Admit a Job: overload and engine-down become 503 with Retry-After."""
@@ -236,9 +249,13 @@ class Gateway:
         chars = sum(len(m["content"]) for m in messages)
         if max_model_len is not None:
             _check_text_length(chars, max_model_len, tok, "messages")
+        tools = None
+        if isinstance(request, ChatCompletionRequest):
+            messages, tools = template_messages(request, messages, tok.has_tools_branch)
         return await _off_loop(chars, tok.apply_chat_template, messages,
                                request.add_generation_prompt, request.continue_final_message,
-                               request.chat_template_kwargs, self.settings.split_special_tokens)
+                               request.chat_template_kwargs, self.settings.split_special_tokens,
+                               tools)
 
     async def encode_prompt(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """The token ids of a completions prompt (completions and /tokenize); text too long

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -61,7 +62,11 @@ class Tokenizer:
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
         source = chat_template or _template_source(directory, config)
-        self._template = _environment().from_string(source) if source else None
+        env = _environment()
+        self._template = env.from_string(source) if source else None
+        # NOTE: a template that reads `tools` renders them itself (e.g. Qwen2.5's Hermes block)
+        self.has_tools_branch = bool(source) and "tools" in jinja2.meta.find_undeclared_variables(
+            env.parse(source))
         # NOTE: a second instance, as `encode_special_tokens` is a setting of the whole object
         # and encodes may run on several threads at once.
         self._plain = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
@@ -94,6 +99,7 @@ class Tokenizer:
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The rendered conversation. `continue_final_message`: end the text right after the
         last message's content (no end-of-turn), so the model continues that message;
@@ -109,6 +115,7 @@ class Tokenizer:
                 **(template_kwargs or {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                **({"tools": tools} if tools else {}),
                 **self.special_tokens,
             )
         except jinja2.TemplateError as exc:
@@ -126,13 +133,13 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-        split_special_tokens: bool = False,
+        split_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation (the template writes its own special tokens);
         `split_special_tokens` encodes the messages' contents as plain text."""
         render = functools.partial(self.render_chat, add_generation_prompt=add_generation_prompt,
                                    continue_final_message=continue_final_message,
-                                   template_kwargs=template_kwargs)
+                                   template_kwargs=template_kwargs, tools=tools)
         text = render(messages)
         if not split_special_tokens:
             return self.encode(text)

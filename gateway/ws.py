@@ -20,7 +20,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from gateway.auth import bearer_ok
 from gateway.chunks import ChunkBuilder, timeline_of, usage_of
 from gateway.errors import ApiError
-from gateway.generation import Generation
+from gateway.generation import Generation, piece_error
 from gateway.protocol import ChatCompletionRequest, RequestId, decode_request
 from gateway.service import Gateway
 from gateway.tracing import trace_headers
@@ -281,7 +281,7 @@ class Session:
                 if piece is None:
                     continue
                 if piece.finish_reason == FINISH_ERROR:
-                    error = ApiError(500, piece.error or "the engine failed", "engine_error")
+                    error = piece_error(piece)
                     break
                 chunk = builder.chunk(piece)
                 if chunk is not None:
@@ -289,7 +289,7 @@ class Session:
                                "chunk": msgspec.to_builtins(chunk)})
         except asyncio.CancelledError:
             pass  # NOTE: only this session cancels these tasks (cancel frame, close)
-        await self._end(gen_id, gen, error)
+        await self._end(gen_id, gen, error, builder)
 
     def _task_done(self, gen_id: str, gen: Generation, task: asyncio.Task[None]) -> None:
         """Every generation task ends here. One cancelled before its first step never ran
@@ -301,8 +301,10 @@ class Session:
             self.endings.add(ending)
             ending.add_done_callback(self.endings.discard)
 
-    async def _end(self, gen_id: str, gen: Generation, error: ApiError | None) -> None:
-        """Abort and count the request, free its id, and send its one terminal frame."""
+    async def _end(self, gen_id: str, gen: Generation, error: ApiError | None,
+                   builder: ChunkBuilder | None = None) -> None:
+        """Abort and count the request, free its id, and send its one terminal frame (its
+        finish reasons as the chunks said them, when it streamed any)."""
         try:
             await gen.aclose()
         finally:
@@ -313,9 +315,11 @@ class Session:
             self._error(gen_id, error)
             return
         status = "cancelled" if gen.finish_reason == FINISH_ABORT else "completed"
+        reason = builder.finish_reason if builder is not None else lambda r, i=0: r
         self.push({"type": "generation.done", "id": gen_id, "status": status,
-                   "finish_reason": gen.finish_reason,
-                   "finish_reasons": list(gen.choice_finish_reasons),
+                   "finish_reason": reason(gen.finish_reason),
+                   "finish_reasons": [reason(r, i) for i, r in
+                                      enumerate(gen.choice_finish_reasons)],
                    "usage": msgspec.to_builtins(usage_of(gen)),
                    "timeline": msgspec.to_builtins(timeline_of(gen))})
 

@@ -112,6 +112,11 @@ class EngineConfig:
                                           "count; weights twice); auto: dual if it fits",
                                   "choices": _CPU_LINEARS}
     )
+    structured_output_compile_timeout: float = field(
+        default=5.0, metadata={"help": "seconds a grammar (response_format, tools, "
+                               "structured_outputs) may take to compile before its request "
+                               "fails with a 400"}
+    )
     tensor_parallel_size: int = field(
         default=1, metadata={"help": "ranks the model is split across, one process each "
                                      "(NCCL on GPUs, gloo on CPU)"}
@@ -147,6 +152,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
+        if not self.structured_output_compile_timeout > 0:
+            raise ValueError("structured_output_compile_timeout must be > 0")
         if self.swap_space < 0:
             raise ValueError("swap_space must be >= 0")
         if self.preemption_mode not in _PREEMPTION_MODES:

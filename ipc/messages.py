@@ -16,6 +16,9 @@ FINISH_LENGTH = "length"  # max_tokens or the context length
 FINISH_ABORT = "abort"  # cancelled by the client or the gateway
 FINISH_ERROR = "error"  # rejected or failed; `error` says why
 
+# Upper bounds (seconds) of the grammar compile-time histogram in EngineStats.
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
+
 
 class _Msg(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):
     pass
@@ -95,6 +98,9 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     # with sampling.prompt_logprobs, on choice 0's first delta: prompt tokens 1 .. P-1 (the
     # first prompt token has no logprob), each with its logprob, rank and top alternatives
     prompt_logprobs: list[PositionLogprobs] | None = None
+    # with FINISH_ERROR: the request field at fault (e.g. "response_format" for a grammar the
+    # engine refused or could not compile in time); the gateway answers 400 naming it
+    error_param: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -123,6 +129,13 @@ class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     spec_accepted_tokens: int = 0  # cumulative draft tokens accepted
     spec_verify_steps: int = 0  # cumulative verifications (one per speculating request-step)
     spec_accepted_by_position: list[int] = []  # [i]: drafts accepted at position i
+    grammar_compiles: int = 0  # cumulative grammars compiled (structured outputs)
+    grammar_cache_hits: int = 0  # cumulative requests whose grammar was already cached
+    grammar_waits: int = 0  # cumulative requests that waited for their grammar to compile
+    grammar_failures: int = 0  # cumulative grammars refused or timed out
+    grammar_compile_seconds_sum: float = 0.0
+    # cumulative compiles per GRAMMAR_COMPILE_BUCKETS bound (<=), the last entry is +Inf
+    grammar_compile_seconds_buckets: list[int] = []
 
 
 class EngineReady(_Msg, tag="ready"):

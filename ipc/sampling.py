@@ -11,6 +11,36 @@ import msgspec
 GREEDY_TEMPERATURE = 1e-5
 
 
+class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A grammar the output must match (exactly one kind set); the engine compiles it.
+
+    `param` names the request field it came from, so that a grammar the engine rejects (or
+    cannot compile in time) is reported against that field.
+    """
+
+    json: str | None = None  # a JSON Schema, as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # exactly one of these strings
+    grammar: str | None = None  # a Lark grammar as llguidance takes it (may embed %json{...})
+    whitespace_pattern: str | None = None  # JSON: the regex whitespace between tokens matches
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        kinds = [self.json is not None, self.json_object, self.regex is not None,
+                 self.choice is not None, self.grammar is not None]
+        _check(sum(kinds) == 1, self.param,
+               "must set exactly one of json, json_object, regex, choice, grammar")
+        _check(self.choice is None or len(self.choice) > 0, self.param,
+               "choice must not be empty")
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (the cache key)."""
+        return (self.json, self.json_object, self.regex, self.choice, self.grammar,
+                self.whitespace_pattern)
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How to sample one request. Validated at construction (ValueError names the field)."""
 
@@ -38,6 +68,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     logit_bias: tuple[tuple[int, float], ...] = ()
     # logprobs of each prompt token after the first (with this many top alternatives)
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None  # constrain the output to a grammar
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
@@ -79,6 +110,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             _check(not self.logit_bias, "logit_bias", "is not supported with use_beam_search")
             _check(self.best_of is None, "best_of", "cannot be combined with use_beam_search")
             _check(self.logprobs is None, "logprobs", "is not supported with use_beam_search")
+            _check(self.structured_outputs is None, "structured_outputs",
+                   "cannot be combined with use_beam_search")
 
     @property
     def num_choices(self) -> int:

@@ -32,6 +32,8 @@ from pagedserve_client._types import (
     ModelList,
     PromptLogprob,
     Tokenized,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from pagedserve_client._ws import Generation, WebSocketClient
@@ -43,5 +45,6 @@ __all__ = [
     "GenerationDone", "GenerationStatus", "InternalServerError", "Model", "ModelList",
     "NotFoundError", "PagedServeError", "PermissionDeniedError", "PromptLogprob", "RateLimitError",
     "RequestTooLargeError", "SSEDecoder", "ServerSentEvent", "ServiceUnavailableError", "Stream",
-    "StreamError", "Tokenized", "UnprocessableEntityError", "Usage", "WebSocketClient",
+    "StreamError", "Tokenized", "ToolCall", "ToolCallDelta", "UnprocessableEntityError", "Usage",
+    "WebSocketClient",
 ]

@@ -17,6 +17,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    TOOL_CALLS = "tool_calls"
 
 
 class GenerationStatus(enum.StrEnum):
@@ -52,9 +53,21 @@ class ChoiceLogprobs(_Base):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(_Base):
+    name: str = ""
+    arguments: str = ""  # JSON text
+
+
+class ToolCall(_Base):
+    id: str = ""
+    type: str = "function"
+    function: FunctionCall = msgspec.field(default_factory=FunctionCall)
+
+
 class ChatMessage(_Base):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Base):
@@ -73,9 +86,24 @@ class ChatCompletion(_Base):
     object: str = "chat.completion"
 
 
+class FunctionCallDelta(_Base):
+    name: str | None = None
+    arguments: str | None = None  # a fragment of the arguments' JSON text
+
+
+class ToolCallDelta(_Base):
+    """A streamed call: the first delta of each index carries id, type and name."""
+
+    index: int = 0
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta = msgspec.field(default_factory=FunctionCallDelta)
+
+
 class Delta(_Base):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Base):

@@ -1,13 +1,51 @@
 /** Request and response shapes. Enums are open: a value a newer server sends still type-checks. */
 
 // NOTE: `(string & {})` keeps editor completion for the known values while accepting any string.
-export type FinishReason = 'stop' | 'length' | 'abort' | 'error' | (string & {});
+export type FinishReason = 'stop' | 'length' | 'abort' | 'error' | 'tool_calls' | (string & {});
 export type GenerationStatus = 'completed' | 'cancelled' | (string & {});
 
+export interface ToolCall {
+  id: string;
+  type: 'function';
+  function: { name: string; arguments: string };
+}
+
+/** A streamed call: the first delta of each index carries id, type and name. */
+export interface ToolCallDelta {
+  index: number;
+  id?: string;
+  type?: 'function';
+  function: { name?: string; arguments?: string };
+}
+
 export interface ChatMessageParam {
-  role: 'system' | 'user' | 'assistant' | (string & {});
-  content: string;
+  role: 'system' | 'developer' | 'user' | 'assistant' | 'tool' | (string & {});
+  content: string | null;
   name?: string;
+  tool_calls?: ToolCall[];
+  tool_call_id?: string;
+}
+
+export interface Tool {
+  type: 'function';
+  function: { name: string; description?: string; parameters?: Record<string, unknown>; strict?: boolean };
+}
+
+export type ToolChoice = 'none' | 'auto' | 'required' | { type: 'function'; function: { name: string } };
+
+export type ResponseFormat =
+  | { type: 'text' }
+  | { type: 'json_object' }
+  | { type: 'json_schema'; json_schema: { name: string; schema?: Record<string, unknown>; strict?: boolean; description?: string } };
+
+/** vLLM's `structured_outputs`: exactly one of json, json_object, regex, choice, grammar. */
+export interface StructuredOutputs {
+  json?: Record<string, unknown> | string;
+  json_object?: boolean;
+  regex?: string;
+  choice?: string[];
+  grammar?: string;
+  whitespace_pattern?: string;
 }
 
 /** Fields both request kinds share (OpenAI's and vLLM's); unknown extras pass through. */
@@ -32,6 +70,8 @@ export interface CommonParams {
   use_beam_search?: boolean;
   length_penalty?: number;
   stream_options?: { include_usage?: boolean };
+  response_format?: ResponseFormat;
+  structured_outputs?: StructuredOutputs;
   [extra: string]: unknown;
 }
 
@@ -43,6 +83,9 @@ export interface ChatCompletionParams extends CommonParams {
   add_generation_prompt?: boolean;
   continue_final_message?: boolean;
   chat_template_kwargs?: Record<string, unknown>;
+  tools?: Tool[];
+  tool_choice?: ToolChoice;
+  parallel_tool_calls?: boolean;
 }
 
 export interface CompletionParams extends CommonParams {
@@ -64,7 +107,7 @@ export interface ChatCompletion {
   object: 'chat.completion' | (string & {});
   created: number;
   model: string;
-  choices: { index: number; message: { role: string; content: string | null }; finish_reason: FinishReason | null; logprobs?: unknown }[];
+  choices: { index: number; message: { role: string; content: string | null; tool_calls?: ToolCall[] }; finish_reason: FinishReason | null; logprobs?: unknown }[];
   usage?: Usage | null;
 }
 
@@ -73,7 +116,7 @@ export interface ChatCompletionChunk {
   object: 'chat.completion.chunk' | (string & {});
   created: number;
   model: string;
-  choices: { index: number; delta: { role?: string; content?: string | null }; finish_reason: FinishReason | null; logprobs?: unknown }[];
+  choices: { index: number; delta: { role?: string; content?: string | null; tool_calls?: ToolCallDelta[] }; finish_reason: FinishReason | null; logprobs?: unknown }[];
   usage?: Usage | null;
 }
 

@@ -1,0 +1,202 @@
+"""Structured outputs and tool calls over the real server (gateway + engine, bundled SmolLM2)
+with the official `openai` client: parse() with a pydantic model, json_object, forced and
+streamed tool calls, a tool round trip, and grammars the engine refuses as 400s."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+import websockets
+
+from tests.e2e.test_serve import ROOT, _free_port, _wait_health
+
+pytestmark = pytest.mark.timeout(300)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather", "description": "Current weather of a city",
+        "parameters": {"type": "object",
+                       "properties": {"city": {"type": "string", "maxLength": 20},
+                                      "unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city", "unit"], "additionalProperties": False},
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "description": "Local time of a timezone",
+                 "parameters": {"type": "object",
+                                "properties": {"tz": {"type": "string", "maxLength": 20}},
+                                "required": ["tz"], "additionalProperties": False}},
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    country: str = pydantic.Field(max_length=20)
+    population: int = pydantic.Field(ge=0, le=99_999_999)
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
+         "--max-model-len", "1024", "--num-gpu-blocks", "256", "--max-num-seqs", "8",
+         "--shutdown-timeout", "5"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_health(base, 200, 180)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_parse_with_a_pydantic_model(client):
+    reply = client.chat.completions.parse(
+        model="", messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City, max_tokens=80, temperature=0)
+    city = reply.choices[0].message.parsed
+    assert isinstance(city, City) and reply.choices[0].finish_reason == "stop"
+
+
+def test_json_object_and_structured_outputs(client):
+    reply = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "Give me a JSON object."}],
+        response_format={"type": "json_object"}, max_tokens=60, temperature=0)
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    else:
+        assert reply.choices[0].message.content.startswith("{")
+    choice = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=10,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].message.content in ("yes", "no")
+    regex = client.completions.create(
+        model="", prompt="The date:", max_tokens=20,
+        extra_body={"structured_outputs": {"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}})
+    assert len(regex.choices[0].text) == 10 and regex.choices[0].text[4] == "-"
+
+
+def _check_call(call, tool: dict) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == tool["function"]["name"]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_tool_choice_required_and_named(client):
+    reply = client.chat.completions.create(
+        model="", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=80, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    _check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
+    named = client.chat.completions.create(
+        model="", messages=ASK, tools=[WEATHER, TIME], max_tokens=80, temperature=0.8, seed=3,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert len(named.choices[0].message.tool_calls) == 1
+    _check_call(named.choices[0].message.tool_calls[0], TIME)
+
+
+def test_streamed_tool_calls_reassemble(client):
+    with client.chat.completions.stream(
+            model="", messages=ASK, tools=[WEATHER], max_tokens=80, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}) as stream:
+        chunks = [event.chunk for event in stream if event.type == "chunk"]
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    _check_call(calls[0], WEATHER)
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id == calls[0].id and deltas[0].function.name == "get_weather"
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert len(deltas) > 2  # the arguments arrived in fragments
+    assert "".join(d.function.arguments or "" for d in deltas) == calls[0].function.arguments
+
+
+def test_tool_round_trip(client):
+    first = client.chat.completions.create(
+        model="", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=80,
+        temperature=0, parallel_tool_calls=False)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}]
+    second = client.chat.completions.create(model="", messages=messages, tools=[WEATHER],
+                                            max_tokens=20, temperature=0)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_refused_grammars_are_400s_naming_the_field(client, url):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="", messages=ASK, max_tokens=5,
+                                       extra_body={"guided_json": {"type": "object"}})
+    assert err.value.body["param"] == "guided_json"  # and the message names its replacement
+    assert "structured_outputs" in err.value.body["message"]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model="", messages=ASK, max_tokens=5, stream=stream,
+                extra_body={"structured_outputs": {"regex": "(unclosed"}})
+        assert err.value.body["param"] == "structured_outputs"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="", messages=ASK, max_tokens=5, response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": "a"}}})
+    assert err.value.body["param"] == "response_format"
+    ok = client.chat.completions.create(model="", messages=ASK, max_tokens=3)
+    assert ok.choices[0].finish_reason == "length"
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "pagedserve_grammar_compile_seconds_count" in metrics
+    assert "pagedserve_grammar_failures_total" in metrics
+
+
+async def test_websocket_generate_with_tools_and_a_refused_grammar(url):
+    request = {"messages": ASK, "max_tokens": 80, "temperature": 0, "tools": [WEATHER],
+               "tool_choice": "required", "parallel_tool_calls": False}
+    bad = {"messages": ASK, "max_tokens": 5, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}
+    async with websockets.connect(url.replace("http://", "ws://") + "/v1/ws",
+                                  subprotocols=["pagedserve.v1"]) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        await ws.send(json.dumps({"type": "generate", "id": "t", "request": request}))
+        await ws.send(json.dumps({"type": "generate", "id": "b", "request": bad}))
+        deltas, ends = [], {}
+        while len(ends) < 2:
+            frame = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            if frame["type"] == "generation.delta" and frame["id"] == "t":
+                deltas += frame["chunk"]["choices"][0]["delta"].get("tool_calls", [])
+            elif frame["type"] in ("generation.done", "error"):
+                ends[frame["id"]] = frame
+    assert ends["t"]["finish_reason"] == "tool_calls"
+    assert ends["b"]["type"] == "error" and ends["b"]["error"]["param"] == "response_format"
+    assert deltas[0]["function"]["name"] == "get_weather" and deltas[0]["id"]
+    arguments = "".join(d["function"].get("arguments", "") for d in deltas)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
