@@ -371,9 +371,8 @@ async def test_stop_string_on_one_choice_aborts_only_it(fake_engine: FakeEngine)
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-    ("tool_choice", "auto"), ("parallel_tool_calls", True), ("suffix", "end"),
-    ("structured_outputs", {"json": {}}), ("guided_json", {"type": "object"}),
+    ("suffix", "end"), ("functions", [{"name": "f"}]), ("function_call", "auto"),
+    ("bad_words", ["x"]), ("guided_json", {"type": "object"}),
     ("guided_regex", "a+"), ("guided_choice", ["a", "b"])])
 
 
