@@ -93,6 +93,7 @@ class EngineLoop:
         self._steps = 0
         self._next_heartbeat = 0.0
         self._deadline: float | None = None  # set once shutdown is requested
+        self._sent_queue = (0, 0, 0)  # (running, waiting, swapped) in the last stats sent
 
     # ---- public -------------------------------------------------------------------------
 
@@ -168,13 +169,17 @@ class EngineLoop:
         return []
 
     def _emit(self, deltas: list[TokenDelta]) -> None:
-        if not deltas:
+        stats = self._core.stats()
+        queue = (stats.num_running, stats.num_waiting, stats.num_swapped)
+        # NOTE: also sent without deltas when the queue changed (a prefill step admitted
+        # requests): the gateway's admission counts what is not scheduled yet from these.
+        if not deltas and queue == self._sent_queue:
             return
+        self._sent_queue = queue
         for delta in deltas:
             if delta.finished:
                 self._live.discard(delta.request_id)
-        self._send(StepOutputs(deltas=deltas, stats=self._core.stats(),
-                               incarnation=self._incarnation))
+        self._send(StepOutputs(deltas=deltas, stats=stats, incarnation=self._incarnation))
 
     def _maybe_heartbeat(self) -> None:
         # NOTE: sent from the busy loop on purpose: a hung step must stop the heartbeats.

@@ -57,7 +57,8 @@ class FakeEngine:
     length at max_tokens, stop at the end of the reply, abort on abort, error on `kill()`."""
 
     def __init__(self, tokenizer_dir: Path, reply: str = "Hello there, how are you today?",
-                 interval: float = 0.01, max_model_len: int = 256) -> None:
+                 interval: float = 0.01, max_model_len: int = 256,
+                 max_num_seqs: int = 0) -> None:
         from gateway.tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer(tokenizer_dir)
@@ -67,7 +68,7 @@ class FakeEngine:
         self.ready = True
         self.info: EngineReady | None = EngineReady(
             model="test-model", max_model_len=max_model_len, block_size=16, num_gpu_blocks=64,
-            tokenizer=str(tokenizer_dir), incarnation="fake-1",
+            tokenizer=str(tokenizer_dir), incarnation="fake-1", max_num_seqs=max_num_seqs,
         )
         self.stats: EngineStats | None = EngineStats(kv_blocks_total=64, kv_blocks_free=64)
         self.submitted: list[AddRequest] = []
@@ -75,7 +76,6 @@ class FakeEngine:
         self.aborted_choices: list[tuple[str, int]] = []
         self.streams: dict[str, FakeStream] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._queued: set[str] = set()  # requests still in `first_delay` (the engine's queue)
 
     @property
     def num_inflight(self) -> int:
@@ -88,8 +88,6 @@ class FakeEngine:
         self.submitted.append(msg)
         self.streams[msg.request_id] = stream
         self._tasks[msg.request_id] = asyncio.create_task(self._feed(msg, stream))
-        if self.first_delay:
-            self._queued.add(msg.request_id)
         self._update_stats()
         return stream
 
@@ -116,18 +114,19 @@ class FakeEngine:
         self._update_stats()
 
     def _update_stats(self) -> None:
-        n, waiting = len(self._tasks), len(self._queued & self._tasks.keys())
-        self.stats = EngineStats(num_running=n - waiting, num_waiting=waiting,
+        # NOTE: the first max_num_seqs requests run (their prefill is `first_delay`), the
+        # rest wait, as the engine reports it
+        n = len(self._tasks)
+        seats = self.info.max_num_seqs if self.info and self.info.max_num_seqs else n
+        running = min(n, seats)
+        self.stats = EngineStats(num_running=running, num_waiting=n - running,
                                  kv_blocks_total=64, kv_blocks_free=64 - n)
 
     async def _feed(self, msg: AddRequest, stream: FakeStream) -> None:
         limit = msg.sampling.max_tokens or len(self.reply_ids)
         ids = self.reply_ids[:limit]
         choices = msg.sampling.num_choices
-        if self.first_delay:
-            await asyncio.sleep(self.first_delay)
-            self._queued.discard(msg.request_id)
-            self._update_stats()
+        await asyncio.sleep(self.first_delay)
         for i, token in enumerate(ids):
             await asyncio.sleep(self.interval)
             last = i == len(ids) - 1

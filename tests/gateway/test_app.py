@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
+from pathlib import Path
 
 import httpx
 import openai
@@ -141,16 +143,33 @@ async def test_cancel_endpoint(fake_engine: FakeEngine) -> None:
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
 
 
-async def test_overload_is_503_with_retry_after(fake_engine: FakeEngine) -> None:
-    fake_engine.first_delay = 0.5
-    async with serve(_app(fake_engine, max_queued_requests=1)) as url, \
+async def test_overload_is_503_with_retry_after(tokenizer_dir: Path) -> None:
+    engine = FakeEngine(tokenizer_dir, max_num_seqs=1)
+    engine.first_delay = 0.5
+    async with serve(_app(engine, max_queued_requests=1)) as url, \
             httpx.AsyncClient(base_url=url) as http:
-        first = asyncio.create_task(http.post("/v1/chat/completions", json=CHAT))
+        running = asyncio.create_task(http.post("/v1/chat/completions", json=CHAT))
         await asyncio.sleep(0.1)
-        second = await http.post("/v1/chat/completions", json=CHAT)
-        assert second.status_code == 503 and int(second.headers["retry-after"]) >= 1
-        assert second.json()["error"]["code"] == "server_overloaded"
-        assert (await first).status_code == 200
+        waiting = asyncio.create_task(http.post("/v1/chat/completions", json=CHAT))
+        await asyncio.sleep(0.1)
+        third = await http.post("/v1/chat/completions", json=CHAT)
+        assert third.status_code == 503 and int(third.headers["retry-after"]) >= 1
+        assert third.json()["error"]["code"] == "server_overloaded"
+        assert (await running).status_code == 200 and (await waiting).status_code == 200
+
+
+async def test_requests_in_prefill_are_not_queued(tokenizer_dir: Path) -> None:
+    # NOTE: the scripted engine: its 16 seats run requests whose prefill (first_delay) takes
+    # a second; the real tiny model's prefill steps are too short to hold a burst
+    engine = FakeEngine(tokenizer_dir, max_num_seqs=16)
+    engine.first_delay = 1.0
+    async with serve(_app(engine, max_queued_requests=4)) as url, \
+            httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=80)) as http:
+        replies = await asyncio.gather(*(http.post("/v1/chat/completions",
+                                                   json={**CHAT, "max_tokens": 2})
+                                         for _ in range(80)))
+    codes = Counter(r.status_code for r in replies)
+    assert codes == {200: 16 + 4, 503: 60}, codes  # the seats, then the queue bound
 
 
 async def test_client_gone_while_sending_its_body_counts(fake_engine: FakeEngine) -> None:

@@ -266,39 +266,50 @@ def test_roles_are_the_openai_set(http: httpx.Client) -> None:
 # ---- 9. the queue bound counts what the engine has not scheduled ------------------------------
 
 
-def test_a_burst_is_admitted_up_to_free_seats_plus_the_queue(tmp_path: Path) -> None:
-    server = Server(tmp_path, "--max-queued-requests", "4", "--max-num-seqs", "16",
-                    "--split-special-tokens")
+@pytest.fixture(scope="module")
+def queue_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # NOTE: 16 prompt tokens per step: a 4000-token prompt is in prefill for 250 steps
+    srv = Server(tmp_path_factory.mktemp("queue"), "--max-queued-requests", "1",
+                 "--max-num-batched-tokens", "16", "--split-special-tokens")
     try:
-        server.wait_ready()
-        replies = asyncio.run(_burst(server.url, 80))
-        ok = [r for r in replies if r.status_code == 200]
-        refused = [r for r in replies if r.status_code != 200]
-        # NOTE: 16 seats run at once, 4 more may wait: more than the queue bound alone, and
-        # far from everyone
-        assert len(ok) >= 16 and refused, (len(ok), len(refused))
-        for reply in refused:
-            assert _error(reply, 503)["code"] == "server_overloaded"
-            assert int(reply.headers["retry-after"]) >= 1
-        with httpx.Client(base_url=server.url, timeout=60) as http:
-            assert http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}
-                             ).status_code == 200
-            _check_split_special_tokens(http)
+        srv.wait_ready()
+        yield srv
     finally:
-        server.stop()
+        srv.stop()
 
 
-async def _burst(url: str, n: int) -> list[httpx.Response]:
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-        # NOTE: connections opened first, so that the requests arrive together
-        await asyncio.gather(*(client.get("/livez") for _ in range(n)))
-        bodies = [{"prompt": [(7 * i + j) % 5000 + 10 for j in range(200)], "max_tokens": 64,
-                   "ignore_eos": True} for i in range(n)]
-        return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+async def test_a_request_in_prefill_is_not_queued(queue_server: Server) -> None:
+    from tiny_server import metric
+
+    long = {"prompt": [(7 * j) % 5000 + 10 for j in range(4000)], "max_tokens": 1,
+            "stream": True}
+    async with httpx.AsyncClient(base_url=queue_server.url, timeout=60) as client:
+        first_token = asyncio.Event()
+
+        async def prefill() -> None:
+            async with client.stream("POST", "/v1/completions", json=long) as reply:
+                assert reply.status_code == 200
+                async for line in reply.aiter_lines():
+                    if line.startswith("data: {"):
+                        first_token.set()
+
+        task = asyncio.create_task(prefill())
+        deadline = time.monotonic() + 30
+        while metric(queue_server.url, "pagedserve_requests_running") < 1:  # scheduled
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.01)
+        assert not first_token.is_set(), "the prefill ended too soon for this test"
+        # NOTE: the engine runs the long prompt and waits for nothing: not overloaded
+        short = {"prompt": "hi", "max_tokens": 2, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=short) as reply:
+            status, in_prefill = reply.status_code, not first_token.is_set()  # admitted (or not)
+            await reply.aread()
+        await task
+    assert status == 200, reply.text
+    assert in_prefill, "the long prompt left its prefill before the short request was admitted"
 
 
-def _check_split_special_tokens(http: httpx.Client) -> None:
+def test_split_special_tokens_keeps_user_text_plain(queue_server: Server) -> None:
     """With --split-special-tokens, `<|im_start|>` typed by a user is text, not the token."""
     from tiny_server import tiny_model_dir
     from transformers import AutoTokenizer
@@ -312,11 +323,12 @@ def _check_split_special_tokens(http: httpx.Client) -> None:
     before, after = rendered.split(content)
     want = (hf(before, add_special_tokens=False)["input_ids"] + plain
             + hf(after, add_special_tokens=False)["input_ids"])
-    reply = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["usage"]["prompt_tokens"] == len(want)
-    tokens = http.post("/v1/completions", json={"prompt": content, "max_tokens": 1})
-    assert tokens.json()["usage"]["prompt_tokens"] == len(plain)
+    with httpx.Client(base_url=queue_server.url, timeout=60) as http:
+        reply = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["prompt_tokens"] == len(want)
+        tokens = http.post("/v1/completions", json={"prompt": content, "max_tokens": 1})
+        assert tokens.json()["usage"]["prompt_tokens"] == len(plain)
 
 
 # ---- 10. help text, stale socket files --------------------------------------------------------
