@@ -208,7 +208,8 @@ class Generation:
         i = delta.index
         if delta.finish_reason == FINISH_ERROR:
             self._end_choices(FINISH_ERROR)
-            return Piece("", ids, None, FINISH_ERROR, delta.error, index=i)
+            return Piece("", ids, None, FINISH_ERROR, delta.error, index=i,
+                         error_param=delta.error_param)
         if not 0 <= i < len(self._texts) or self.choice_finish_reasons[i] is not None:
             return None  # NOTE: a choice that a stop string ended here; its abort is on the way
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)

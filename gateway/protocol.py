@@ -225,7 +225,7 @@ _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 def decode_request(body: bytes, kind: type[AnyRequest]) -> AnyRequest:
     """Parse and type-check a generation request; every failure is a 400 ApiError."""
     request = decode_body(body, kind)
-    check_refused(body)
+    check_refused(body, chat=kind is ChatCompletionRequest)
     check_request(request)
     return request
 

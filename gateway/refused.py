@@ -34,17 +34,26 @@ REFUSED_FIELDS: dict[str, str] = {
     "prompt_embeds": "is not supported",
 }
 
+# tool calling is a chat feature: /v1/completions refuses these too
+CHAT_ONLY_FIELDS: dict[str, str] = {
+    name: "is only supported on /v1/chat/completions"
+    for name in ("tools", "tool_choice", "parallel_tool_calls")
+}
+
 # NOTE: values that ask for nothing (clients often send them as defaults) are not refused
 _EMPTY = (b"null", b"[]", b"{}", b'""', b"false")
 
 _Refused = msgspec.defstruct(
-    "_Refused", [(name, msgspec.Raw, msgspec.Raw(b"null")) for name in REFUSED_FIELDS])
+    "_Refused", [(name, msgspec.Raw, msgspec.Raw(b"null"))
+                 for name in {**REFUSED_FIELDS, **CHAT_ONLY_FIELDS}])
 _decoder = msgspec.json.Decoder(_Refused)
 
 
-def check_refused(body: bytes) -> None:
-    """Raise a 400 for the first refused field the (already valid JSON object) body sets."""
+def check_refused(body: bytes, chat: bool = True) -> None:
+    """Raise a 400 for the first refused field the (already valid JSON object) body sets;
+    `chat`: the body is a chat completions request (else CHAT_ONLY_FIELDS are refused too)."""
     fields = _decoder.decode(body)
-    for name, why in REFUSED_FIELDS.items():
+    table = REFUSED_FIELDS if chat else {**REFUSED_FIELDS, **CHAT_ONLY_FIELDS}
+    for name, why in table.items():
         if bytes(getattr(fields, name)).strip() not in _EMPTY:
             raise ApiError(400, f"`{name}` {why}", "unsupported_parameter", name)

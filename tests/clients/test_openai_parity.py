@@ -146,8 +146,7 @@ def test_echo_logprobs_equal_the_engines_prompt_logprobs(client: openai.OpenAI, 
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function":
-                                                             {"name": "f"}}]),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("suffix", "the end"), ("guided_json", {"type": "object"})])
 def test_refused_fields_name_the_param(client: openai.OpenAI, field: str, value) -> None:
     with pytest.raises(openai.BadRequestError) as err:
