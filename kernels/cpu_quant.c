@@ -38,6 +38,10 @@ enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX512 = 3 };
 enum { NUM_A32 = 0, NUM_A8 = 1 };
 
 #define NCHUNK 16 /* output features per task */
+#define GEMM_CHUNK 32 /* output features per task of the expanded-tile path */
+/* rows from which a32 takes the expanded-tile path on AVX-512: 576 x 3072 Q4_1, one thread,
+ * 0.39 ms against 0.40 for register tiles at 8 rows, 0.55 against 0.79 at 16 */
+int GEMM_ROWS = 8;
 
 /* ---- shared helpers ------------------------------------------------------------------------ */
 
@@ -566,6 +570,46 @@ T2F static void dequant_avx2(int type, const uint8_t *row, int64_t K, float *out
     switch (type) { INSTANCES(CASED) }
 }
 
+/* A32 for many rows: the chunk's weights expanded once into wbuf (L2-resident), then 4 rows x
+ * 4 features of float32 FMAs per step of 16 (16 accumulators): an expanded-tile GEMM. */
+T5F static void gemm_avx512(int type, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1,
+                            int64_t K, const float *x, int64_t xs, int64_t M, float *out,
+                            int64_t os, float *wbuf)
+{
+    const int64_t nn = n1 - n0;
+    for (int64_t i = 0; i < nn; i++)
+        dequant_avx2(type, w + (n0 + i) * rb, K, wbuf + i * K);
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int rt = M - r0 < 4 ? (int)(M - r0) : 4;
+        const float *xr[4];
+        for (int t = 0; t < 4; t++)
+            xr[t] = x + (r0 + (t < rt ? t : 0)) * xs; /* NOTE: a short tile repeats a row */
+        for (int64_t j = 0; j < nn; j += 4) {
+            const int nt = nn - j < 4 ? (int)(nn - j) : 4;
+            const float *wr[4];
+            for (int u = 0; u < 4; u++)
+                wr[u] = wbuf + (j + (u < nt ? u : 0)) * K;
+            __m512 acc[4][4];
+            for (int t = 0; t < 4; t++)
+                for (int u = 0; u < 4; u++)
+                    acc[t][u] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16) {
+                __m512 wv[4];
+                for (int u = 0; u < 4; u++)
+                    wv[u] = _mm512_loadu_ps(wr[u] + k);
+                for (int t = 0; t < 4; t++) {
+                    const __m512 xv = _mm512_loadu_ps(xr[t] + k);
+                    for (int u = 0; u < 4; u++)
+                        acc[t][u] = _mm512_fmadd_ps(xv, wv[u], acc[t][u]);
+                }
+            }
+            for (int t = 0; t < rt; t++)
+                for (int u = 0; u < nt; u++)
+                    out[(r0 + t) * os + n0 + j + u] = _mm512_reduce_add_ps(acc[t][u]);
+        }
+    }
+}
+
 int isa_supported(int isa)
 {
     __builtin_cpu_init();
@@ -619,18 +663,38 @@ int quant_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const float *
         for (int64_t r = 0; r < M; r++)
             quantize_row(x + r * xs, K, qa.q + r * K, qa.dx + r * G, qa.sx + r * G);
     }
-    const int64_t chunks = (N + NCHUNK - 1) / NCHUNK;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t n0 = c * NCHUNK, n1 = n0 + NCHUNK < N ? n0 + NCHUNK : N;
+    /* NOTE: a32 from GEMM_ROWS rows on AVX-512: expanded tiles (gemm_avx512) */
+    const int gemm = numerics == NUM_A32 && isa == ISA_AVX512 && M >= GEMM_ROWS;
+    const int64_t step = gemm ? GEMM_CHUNK : NCHUNK, chunks = (N + step - 1) / step;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *wbuf = gemm ? malloc(sizeof(float) * (size_t)(GEMM_CHUNK * K)) : NULL;
+        if (gemm && !wbuf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t n0 = c * step, n1 = n0 + step < N ? n0 + step : N;
 #if defined(__x86_64__) || defined(__i386__)
-        if (isa == ISA_AVX512)
-            rows_avx512(type, numerics, w, rb, n0, n1, K, x, xs, &qa, M, out, os);
-        else if (isa == ISA_AVX2)
-            rows_avx2(type, numerics, w, rb, n0, n1, K, x, xs, &qa, M, out, os);
-        else
+            if (gemm && wbuf)
+                gemm_avx512(type, w, rb, n0, n1, K, x, xs, M, out, os, wbuf);
+            else if (gemm)
+                continue;
+            else if (isa == ISA_AVX512)
+                rows_avx512(type, numerics, w, rb, n0, n1, K, x, xs, &qa, M, out, os);
+            else if (isa == ISA_AVX2)
+                rows_avx2(type, numerics, w, rb, n0, n1, K, x, xs, &qa, M, out, os);
+            else
 #endif
-            rows_scalar(type, numerics, w, rb, n0, n1, K, x, xs, &qa, M, out, os);
+                rows_scalar(type, numerics, w, rb, n0, n1, K, x, xs, &qa, M, out, os);
+        }
+        free(wbuf);
+    }
+    if (failed) {
+        free(qa.q), free(qa.dx), free(qa.sx);
+        return -1;
     }
     free(qa.q), free(qa.dx), free(qa.sx);
     return 0;

@@ -19,7 +19,7 @@ _NAMES = {
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
-_FP16_AT = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+_FP16_AT = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82]}
 
 
 def _interleave(w: np.ndarray, heads: int) -> np.ndarray:
@@ -39,7 +39,9 @@ def _random_k_blocks(type_name: str, rows: int, cols: int, rng) -> np.ndarray:
     return b.reshape(rows, -1)
 
 
-def write_tiny_gguf(hf_dir: Path, path: Path, type_name: str, seed: int = 0) -> Path:
+def write_tiny_gguf(hf_dir: Path, path: Path, type_name: str, seed: int = 0,
+                    overrides: dict[str, str] | None = None) -> Path:
+    """overrides: GGUF tensor part (e.g. "attn_v") -> its own type (F16, Q2_K, ...)."""
     import gguf
     from gguf.quants import quantize
     from safetensors.numpy import load_file
@@ -50,7 +52,6 @@ def write_tiny_gguf(hf_dir: Path, path: Path, type_name: str, seed: int = 0) -> 
     tensors = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(f))
-    qtype = gguf.GGMLQuantizationType[type_name]
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
     heads, kv = c.num_heads, c.num_kv_heads
@@ -83,11 +84,15 @@ def write_tiny_gguf(hf_dir: Path, path: Path, type_name: str, seed: int = 0) -> 
             continue
         if part in ("self_attn.q_proj", "self_attn.k_proj"):
             t = _interleave(t, heads if part.endswith("q_proj") else kv)
-        if type_name in _FP16_AT:
-            blocks = _random_k_blocks(type_name, *t.shape, rng)
+        kind = (overrides or {}).get(_NAMES[part], type_name)
+        if kind == "F16":
+            w.add_tensor(gname, t.astype(np.float16))
+            continue
+        if kind in _FP16_AT:
+            blocks = _random_k_blocks(kind, *t.shape, rng)
         else:
-            blocks = quantize(t, qtype)
-        w.add_tensor(gname, blocks, raw_dtype=qtype)
+            blocks = quantize(t, gguf.GGMLQuantizationType[kind])
+        w.add_tensor(gname, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -59,6 +59,24 @@ def test_gguf_a32_equals_dequantized(type_name, tiny_model_dir, wide_model_dir,
         assert q.token_ids == d.token_ids, type_name
 
 
+@pytest.mark.parametrize("other", ["F16", "Q2_K"])
+def test_mixed_types_in_one_fused_layer(other, wide_model_dir, bundled_tokenizer_dir, tmp_path,
+                                        caplog):
+    """q/k in Q4_K, v in a type without a kernel (dequantized at load, one log line): the
+    fused qkv layer has a dense segment beside its block segments."""
+    path = write_tiny_gguf(wide_model_dir, tmp_path / f"mixed-{other}.gguf", "Q4_K",
+                           overrides={"attn_v": other, "ffn_down": "Q6_K"})
+    with caplog.at_level("INFO", logger="engine.models.loader"):
+        llm, quant = _run(path, bundled_tokenizer_dir, quantization="gguf")
+    qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert [p.type_id for p in qkv.parts] == [12, 12, None]
+    logged = [r.getMessage() for r in caplog.records if "no quantized kernel" in r.getMessage()]
+    assert len(logged) == (2 if other == "Q2_K" else 0)  # F16 is a plain type: no line
+    del llm
+    _, dense = _run(path, bundled_tokenizer_dir, quantization="none")
+    assert [o.token_ids for o in quant] == [o.token_ids for o in dense]
+
+
 def test_gguf_a8_is_close(tiny_model_dir, bundled_tokenizer_dir, tmp_path, capsys):
     path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny-q4_1.gguf", "Q4_1")
     _, a8 = _run(path, bundled_tokenizer_dir, quantization="gguf", quantization_numerics="a8")
