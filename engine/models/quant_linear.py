@@ -72,7 +72,8 @@ class QuantLinear(nn.Module):
             raise ValueError(f"the parts of one layer have different widths {sorted(cols)}")
         self.in_features = cols.pop()
         self.out_features = sum(p.rows for p in parts)
-        self.parts = parts  # NOTE: not Parameters or buffers: to_empty() must not replace them
+        # NOTE: not Parameters or buffers: to_empty() must not replace them
+        self.parts = _merge_same_type(parts)
         self.numerics = numerics
         self.bias = None if bias is None else bias.detach().float()
 
@@ -104,6 +105,21 @@ class QuantLinear(nn.Module):
         kinds = ",".join(cpu_quant.TYPE_NAMES.get(p.type_id, "F32") for p in self.parts)
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"types={kinds}, numerics={self.numerics}")
+
+
+def _merge_same_type(parts: list[QuantWeight]) -> list[QuantWeight]:
+    """Adjacent block parts of one type as one (row-wise concatenation is byte concatenation):
+    one kernel call per type run instead of per checkpoint tensor (q, k, v; gate, up).
+    NOTE: a single part is kept as it is, so a tied head shares the embedding's blocks."""
+    merged: list[QuantWeight] = []
+    for p in parts:
+        last = merged[-1] if merged else None
+        if last is not None and p.type_id is not None and last.type_id == p.type_id:
+            data = torch.cat([last.data, p.data])
+            merged[-1] = QuantWeight(data, p.type_id, last.rows + p.rows, p.cols)
+        else:
+            merged.append(p)
+    return merged
 
 
 class QuantEmbedding(nn.Module):
