@@ -80,7 +80,8 @@ def server_command(kind: str, model: str, port: int, args: argparse.Namespace) -
              "quantized-a8": ["--quantization", "gguf", "--quantization-numerics", "a8"],
              "float32": ["--quantization", "none"]}[kind]
     return [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), "--num-threads", str(args.threads), *quant]
+            "--port", str(port), "--num-threads", str(args.threads), *quant,
+            *args.pagedserve_args.split()]
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float) -> None:
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="NAME=URL of a server already running (not started, no RSS)")
     p.add_argument("--llama-cpp-python", default="/work/peers-venv/bin/python",
                    help="python of the venv with llama-cpp-python[server]")
+    p.add_argument("--pagedserve-args", default="",
+                   help="more flags for pagedserve's servers, e.g. '--kv-cache-space 0.25'")
     p.add_argument("--concurrency", default="1,8,64")
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=128)
