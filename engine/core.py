@@ -27,7 +27,7 @@ from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig
 from ipc.messages import AddRequest, EngineStats, TokenDelta
 from ipc.model_source import resolve_model
-from kernels import get_backend
+from kernels import auto_backend, get_backend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # auto: the model's dtype
@@ -85,7 +85,10 @@ class EngineCore:
             preemption,
         )
         sampler = Sampler(self.eos_token_ids, config.seed, self.device)
-        backend = get_backend(config.attention_backend, self.device.type)
+        self.attention_backend = (auto_backend(self.device.type)
+                                  if config.attention_backend == "auto"
+                                  else config.attention_backend)  # the one that runs
+        backend = get_backend(self.attention_backend, self.device.type)
         if getattr(backend, "FUSED_CPU_OPS", False) and config.tensor_parallel_size == 1:
             for m in (model, draft_model):
                 if m is not None:
