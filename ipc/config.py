@@ -16,6 +16,8 @@ _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
 _CPU_LINEARS = ("auto", "torch", "onednn", "dual")
 _SPECULATIVE_METHODS = ("ngram", "self", "draft")
+_QUANTIZATIONS = ("auto", "none", "gguf", "int8")
+_QUANT_NUMERICS = ("a32", "a8")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +119,20 @@ class EngineConfig:
                                "structured_outputs) may take to compile before its request "
                                "fails with a 400"}
     )
+    quantization: str = field(
+        default="auto", metadata={"help": "weights kept quantized on the CPU: gguf (a GGUF's "
+                                          "own blocks), int8 (a dense checkpoint quantized at "
+                                          "load to Q8_0 blocks), none (dequantized to the model "
+                                          "dtype); auto: gguf for a GGUF where it runs, else none",
+                                  "choices": _QUANTIZATIONS}
+    )
+    quantization_numerics: str = field(
+        default="a32", metadata={"help": "quantized products of decode-sized batches: a32 "
+                                         "(weights expanded to float32, float32 FMA: the "
+                                         "dequantized model's result) or a8 (activations to "
+                                         "int8 per 32 values, integer dot products)",
+                                 "choices": _QUANT_NUMERICS}
+    )
     tensor_parallel_size: int = field(
         default=1, metadata={"help": "ranks the model is split across, one process each "
                                      "(NCCL on GPUs, gloo on CPU)"}
@@ -146,6 +162,13 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.cpu_linear in ("onednn", "dual"):
             raise ValueError(f"cpu_linear {self.cpu_linear} does not run with tensor "
                              "parallelism (its ranks use torch's products): use auto or torch")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {_QUANTIZATIONS}")
+        if self.quantization_numerics not in _QUANT_NUMERICS:
+            raise ValueError(f"quantization_numerics must be one of {_QUANT_NUMERICS}")
+        if self.tensor_parallel_size > 1 and self.quantization in ("gguf", "int8"):
+            raise ValueError(f"quantization {self.quantization} does not run with tensor "
+                             "parallelism (its ranks hold dequantized weights): use none or auto")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:

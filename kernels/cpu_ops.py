@@ -19,18 +19,20 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std
 
 _lib: ctypes.CDLL | None = None
 _tried = False
+_error: str | None = None
 
 
 def available() -> bool:
     """The library is built and loaded (tried once per process)."""
-    global _lib, _tried
+    global _lib, _tried, _error
     if not _tried:
         _tried = True
         from kernels import cc_build
 
         try:
             lib = cc_build.build(SOURCE, FLAGS)
-        except ImportError:
+        except ImportError as e:
+            _error = str(e)
             return False
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
@@ -38,6 +40,11 @@ def available() -> bool:
         lib.add_rms_norm_f32.restype = lib.rope_f32.restype = None
         _lib = lib
     return _lib is not None
+
+
+def build_error() -> str | None:
+    """Why the library could not be built (after `available()` said False), else None."""
+    return _error
 
 
 def fits(*tensors: torch.Tensor) -> bool:

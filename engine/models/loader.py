@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -17,10 +18,17 @@ from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from ipc.model_source import ModelSource
 
+log = logging.getLogger(__name__)
+QUANTIZATIONS = ("auto", "none", "gguf", "int8")
+
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device
+    source: ModelSource, dtype: torch.dtype, device: torch.device, quantization: str = "none",
+    numerics: str = "a32",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """quantization: a concrete mode from `resolve_quantization` (none, gguf or int8)."""
+    if quantization == "gguf":
+        return _gguf_quantized(source, dtype, device, numerics)
     if source.is_gguf:
         cfg, weights = _gguf_dequantized(source)
     else:
@@ -30,12 +38,45 @@ def load_model(
         model = model_class(cfg)(cfg)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(weights)
+    if quantization == "int8":
+        from engine.models.quant_linear import quantize_dense_model
+
+        quantize_dense_model(model, numerics)
     return model.eval().requires_grad_(False), cfg
 
 
 def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
     """The decoder for the config: Gemma's layout, or Llama's (every other family)."""
     return GemmaForCausalLM if cfg.sandwich_norms else LlamaForCausalLM
+
+
+def resolve_quantization(mode: str, source: ModelSource, dtype: torch.dtype,
+                         device: torch.device, tensor_parallel_size: int = 1) -> str:
+    """The concrete mode for `--quantization`: auto keeps a GGUF's blocks where the quantized
+    kernels run (float32 on a CPU with kernels/cpu_quant.c built, one rank), else none."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}")
+    if mode == "none":
+        return mode
+    if mode == "gguf" and not source.is_gguf:
+        raise ValueError("quantization gguf needs a .gguf model (int8 quantizes a dense one)")
+    if mode == "int8" and source.is_gguf:
+        raise ValueError("quantization int8 is for dense checkpoints: a GGUF keeps its own "
+                         "types with gguf (or auto)")
+    from kernels import cpu_quant
+
+    why = None
+    if device.type != "cpu" or dtype != torch.float32:
+        why = "a float32 model on the CPU"
+    elif tensor_parallel_size > 1:
+        why = "tensor_parallel_size 1"
+    elif not cpu_quant.available():
+        why = "kernels/cpu_quant.c, which could not be built (no C compiler?)"
+    if mode == "auto":
+        return "gguf" if source.is_gguf and why is None else "none"
+    if why is not None:
+        raise ValueError(f"quantization {mode} needs {why}")
+    return mode
 
 
 def _safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -75,6 +116,61 @@ def _gguf_dequantized(source: ModelSource) -> tuple[ModelConfig, Iterator]:
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
     raw["layer_windows"] = tuple(raw["layer_windows"])  # JSON made the tuples lists
     return ModelConfig(**raw), _safetensors_file(cache)
+
+
+def _gguf_quantized(source: ModelSource, dtype: torch.dtype, device: torch.device,
+                    numerics: str) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model with its GGUF's linear and embedding weights kept in their blocks; tensors of
+    types without a kernel are dequantized (one log line each), norms are float32 already."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from engine.models.quant_linear import QuantWeight, install_quantized
+    from kernels import cpu_quant
+
+    reader = _open_gguf(source.path)
+    cfg = gguf_config(reader)
+    plain = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+    quant: dict[str, QuantWeight] = {}
+    floats: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        rope_heads = _rope_heads(cfg, name)
+        if int(t.tensor_type) in cpu_quant.BLOCKS and t.data.ndim == 2:
+            blocks = torch.from_numpy(np.array(t.data))  # NOTE: a copy: the memmap is read-only
+            w = QuantWeight(blocks, int(t.tensor_type), blocks.shape[0], int(t.shape[0]))
+            if rope_heads:
+                w = w.permute_rows(_rope_row_order(w.rows, rope_heads))
+            quant[name] = w
+            continue
+        if t.tensor_type not in plain:
+            log.info("%s: %s has no quantized kernel; dequantized to float32 at load",
+                     t.name, t.tensor_type.name)
+        tensor = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+        if rope_heads:
+            tensor = _unpermute_rope(tensor, rope_heads)
+        floats[name] = tensor
+        if tensor.dim() == 2:  # NOTE: a dense part of a layer whose other parts may be blocks
+            quant[name] = QuantWeight(tensor, None, *tensor.shape)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    used = install_quantized(model, quant, numerics, floats)
+    model = model.to(dtype).to_empty(device=device)
+    model.load_weights((n, t) for n, t in floats.items() if n not in used)
+    return model.eval().requires_grad_(False), cfg
+
+
+def _rope_heads(cfg: ModelConfig, name: str) -> int:
+    """Heads of a llama q/k projection whose rotary halves llama.cpp interleaved, else 0."""
+    if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        return cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+    return 0
+
+
+def _rope_row_order(rows: int, heads: int) -> torch.Tensor:
+    """Row i of the un-interleaved weight is row order[i] of the file's (_unpermute_rope)."""
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
 def _safetensors_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import c_build
 import pytest
 import torch
 from kernel_cases import (
@@ -25,7 +26,17 @@ from kernel_cases import (
 from kernels import auto_backend, get_backend
 
 ROOT = Path(__file__).resolve().parents[2]
-cpu_backend = pytest.importorskip("kernels.cpu_backend", reason="no C compiler")
+try:
+    from kernels import cpu_backend
+except ImportError as e:
+    cpu_backend, BUILD_ERROR = None, str(e)
+else:
+    BUILD_ERROR = None
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    c_build.require(BUILD_ERROR)
 
 
 @pytest.mark.parametrize("case", matrix("cpu"), ids=lambda c: "-".join(map(str, c.values())))

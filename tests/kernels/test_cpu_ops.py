@@ -3,6 +3,7 @@ model with them on against the model with them off."""
 
 from __future__ import annotations
 
+import c_build
 import pytest
 import torch
 
@@ -12,7 +13,10 @@ from engine.models.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding
 from kernels import cpu_ops, torch_backend
 from kernels.metadata import AttentionMetadata
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    c_build.require(None if cpu_ops.available() else cpu_ops.build_error())
 
 
 def _cfg(**kw) -> ModelConfig:

@@ -1,0 +1,226 @@
+"""Side by side: pagedserve (quantized and float32) and peer servers on one workload, one at a time.
+
+    python -m bench.peers [--model FILE.gguf] [--concurrency 1,8,64] [--servers quantized,float32,
+                          llama.cpp] [--llama-cpp-python /work/peers-venv/bin/python]
+                          [--url NAME=http://host:port ...] [--out bench/results/peers.json]
+
+Each server is started (or, for --url, taken as running), timed from start to its first 200 on
+/v1/models (time to ready), then every concurrency runs the same completions (a 128-word prompt,
+128 output tokens, greedy, streamed) through bench/loadgen.py; the resident memory of the
+server's process tree is sampled throughout (peak reported). llama.cpp's server
+(llama-cpp-python, in its own venv) is started with `--interrupt_requests False` (otherwise a
+new request silently cuts the running one short) and kept from stopping early by a logit_bias
+on the end-of-text token, since it has no `ignore_eos`. Ratios are against llama.cpp and
+against float32 pagedserve from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.loadgen import Target, make_prompt, run_concurrency
+from bench.metrics import SLO, summarize
+from bench.serve import free_port
+from bench.workloads import RequestSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * _PAGE
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+class RssSampler:
+    def __init__(self, pid: int, interval: float = 0.2) -> None:
+        self.pid, self.interval, self.peak = pid, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, tree_rss(self.pid))
+
+
+def server_command(kind: str, model: str, port: int, args: argparse.Namespace) -> list[str]:
+    if kind == "llama.cpp":
+        return [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", model,
+                "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads),
+                "--n_ctx", "4096", "--interrupt_requests", "False"]
+    quant = {"quantized": ["--quantization", "gguf"],
+             "quantized-a8": ["--quantization", "gguf", "--quantization-numerics", "a8"],
+             "float32": ["--quantization", "none"]}[kind]
+    return [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--num-threads", str(args.threads), *quant,
+            *args.pagedserve_args.split()]
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited with {proc.returncode}")
+        try:
+            # NOTE: pagedserve lists its model (and /health says ok) once the engine is up
+            models = httpx.get(f"{url}/v1/models", timeout=2)
+            health = httpx.get(f"{url}/health", timeout=2).status_code
+            if models.status_code == 200 and models.json().get("data") and health in (200, 404):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} never became ready")
+
+
+async def run_points(url: str, kind: str, args: argparse.Namespace) -> list[dict]:
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
+        model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+        extra = (("logit_bias", {str(args.eos_token_id): -100}),) if kind == "llama.cpp" else ()
+        target = Target(url, model, "completions", kind != "llama.cpp", extra_body=extra)
+        spec = RequestSpec(args.prompt_len, args.output_len)
+        import random
+
+        rng = random.Random(args.seed)
+        points = []
+        warm = [(make_prompt(args.prompt_len, rng), RequestSpec(args.prompt_len, 8))]
+        await run_concurrency(client, target, warm, 1, 60, 60, lambda: None)
+        for conc in args.concurrency:
+            n = max(conc, args.min_requests)
+            jobs = [(make_prompt(args.prompt_len, rng), spec) for _ in range(n)]
+            recs, secs = await run_concurrency(client, target, jobs, conc, args.duration,
+                                               args.drain_timeout, lambda: None)
+            points.append({"concurrency": conc, **summarize(recs, secs, SLO(1e9, 1e9))})
+            p = points[-1]
+            itl = (p["itl_s"] or {}).get("p50")
+            print(f"  {kind} c={conc}: {p['output_tokens_per_s']:.1f} tok/s, ITL p50 "
+                  f"{itl * 1e3 if itl else float('nan'):.1f} ms, "
+                  f"ok {p['num_ok']}/{p['num_requests']} {p['errors'] or ''}", flush=True)
+        return points
+
+
+def bench_server(kind: str, args: argparse.Namespace, url: str | None = None) -> dict:
+    proc = None
+    start = time.monotonic()
+    if url is None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(server_command(kind, args.model, port, args), cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        wait_ready(url, proc, args.startup_timeout)
+        ready = time.monotonic() - start
+        idle_rss = tree_rss(proc.pid) if proc else None
+        with RssSampler(proc.pid if proc else os.getpid()) as rss:
+            points = asyncio.run(run_points(url, kind, args))
+        return {"server": kind, "url": url, "time_to_ready_s": ready if proc else None,
+                "rss_ready_bytes": idle_rss, "rss_peak_bytes": rss.peak if proc else None,
+                "points": points}
+    finally:
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def ratio_table(results: list[dict]) -> list[str]:
+    by = {r["server"]: r for r in results}
+    lines = ["| server | conc | out tok/s | ITL p50 ms | vs llama.cpp | vs float32 |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        for p in r["points"]:
+            row = [r["server"], str(p["concurrency"]), f"{p['output_tokens_per_s']:.1f}",
+                   f"{p['itl_s']['p50'] * 1e3:.1f}" if (p["itl_s"] or {}).get("p50") else "-"]
+            for base in ("llama.cpp", "float32"):
+                q = next((b for b in by.get(base, {}).get("points", [])
+                          if b["concurrency"] == p["concurrency"]), None)
+                row.append(f"{p['output_tokens_per_s'] / q['output_tokens_per_s']:.2f}x tok/s"
+                           if q and q["output_tokens_per_s"] else "-")
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "| server | time to ready s | RSS ready MiB | RSS peak MiB |",
+              "| --- | --- | --- | --- |"]
+    for r in results:
+        mib = [f"{v / 2**20:.0f}" if v else "-" for v in (r["rss_ready_bytes"],
+                                                          r["rss_peak_bytes"])]
+        ready = f"{r['time_to_ready_s']:.1f}" if r["time_to_ready_s"] else "-"
+        lines.append(f"| {r['server']} | {ready} | {mib[0]} | {mib[1]} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help=".gguf file (default: the bundled model)")
+    p.add_argument("--servers", default="quantized,float32,llama.cpp",
+                   help="comma list of quantized, quantized-a8, float32, llama.cpp")
+    p.add_argument("--url", action="append", default=[],
+                   help="NAME=URL of a server already running (not started, no RSS)")
+    p.add_argument("--llama-cpp-python", default="/work/peers-venv/bin/python",
+                   help="python of the venv with llama-cpp-python[server]")
+    p.add_argument("--pagedserve-args", default="",
+                   help="more flags for pagedserve's servers, e.g. '--kv-cache-space 0.25'")
+    p.add_argument("--concurrency", default="1,8,64")
+    p.add_argument("--min-requests", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--eos-token-id", type=int, default=2)
+    p.add_argument("--duration", type=float, default=600.0)
+    p.add_argument("--drain-timeout", type=float, default=600.0)
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peers.json")
+    args = p.parse_args(argv)
+    if args.model is None:
+        from ipc.model_source import bundled_gguf
+
+        args.model = str(bundled_gguf())
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    results = []
+    for kind in [s for s in args.servers.split(",") if s]:
+        print(f"{kind}: starting", flush=True)
+        results.append(bench_server(kind, args))
+    for item in args.url:
+        name, _, url = item.partition("=")
+        results.append(bench_server(name, args, url))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                    "results": results}, indent=1))
+    print("\n".join(ratio_table(results)))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Linear and embedding layers whose weights stay in GGUF blocks (kernels/cpu_quant.py).
+
+`install_quantized(model, weights, numerics)` is the one hook a model family needs: given the
+HF-named weights of a checkpoint as `QuantWeight`s (raw blocks from a GGUF, or Q8_0 blocks made
+at load by `quantize_q8_0` for `--quantization int8`), it replaces each `nn.Linear` whose parts
+are all there by a `QuantLinear`, the embedding by a `QuantEmbedding`, and a tied LM head by a
+`QuantLinear` over the embedding's blocks. Fused projections (qkv, gate/up) are found through
+the model's own `_target(name) -> (parameter, shard)`, so every family that loads its fused
+weights that way gets quantized layers without code of its own. A fused layer's parts may
+have different types (Q4_K_M files mix Q4_K and Q6_K): each part is a segment multiplied on
+its own into its slice of the output.
+
+Numerics (`--quantization-numerics`): `a32` (weights expanded to float32 in registers, the
+dequantized model's product up to summation order) or `a8` (activations quantized to int8 per
+32 values, integer dot products). Products of more than PREFILL_ROWS rows (prefill chunks)
+expand tiles of weights to float32 once and multiply them with torch's GEMM in either mode:
+the fastest measured path there. The default is a32: as fast as a8 at one row (0.20 vs 0.19
+ms above), 1.3-2x faster from 4 rows on, and exact up to summation order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import cpu_quant
+
+log = logging.getLogger(__name__)
+
+NUMERICS = ("a32", "a8")
+# NOTE: 576 -> 3072 Q4_1, one thread, a32: the kernel (register tiles up to 7 rows, expanded
+# 32-feature tiles from 8) takes 0.20/0.39/0.55/1.06/1.96/3.69 ms at 1/8/16/32/64/128 rows,
+# expanding the whole matrix and torch's GEMM 0.63/1.11/1.10/1.25/1.80/2.79 ms (2026-12-01).
+PREFILL_ROWS = 64
+TILE_FEATURES = 2048  # output features expanded per GEMM tile in the prefill path
+Q8_0 = 8
+
+
+@dataclass
+class QuantWeight:
+    """One 2-D weight: raw blocks [rows, row_bytes] of ggml type `type_id` holding `cols`
+    weights per row, or (type_id None) a dense float32 tensor [rows, cols]."""
+
+    data: torch.Tensor
+    type_id: int | None
+    rows: int
+    cols: int
+
+    def permute_rows(self, index: torch.Tensor) -> QuantWeight:
+        return QuantWeight(self.data[index].contiguous(), self.type_id, self.rows, self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W the row-wise concatenation of `parts`."""
+
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None,
+                 numerics: str) -> None:
+        super().__init__()
+        if numerics not in NUMERICS:
+            raise ValueError(f"quantization_numerics must be one of {NUMERICS}")
+        cols = {p.cols for p in parts}
+        if len(cols) != 1:
+            raise ValueError(f"the parts of one layer have different widths {sorted(cols)}")
+        self.in_features = cols.pop()
+        self.out_features = sum(p.rows for p in parts)
+        # NOTE: not Parameters or buffers: to_empty() must not replace them
+        self.parts = _merge_same_type(parts)
+        self.numerics = numerics
+        self.bias = None if bias is None else bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).float()
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        rows = x2.shape[0]
+        out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        start = 0
+        for p in self.parts:
+            dst = out[:, start : start + p.rows]
+            if p.type_id is None:
+                dst.copy_(F.linear(x2, p.data))
+            elif rows > PREFILL_ROWS:
+                for n0 in range(0, p.rows, TILE_FEATURES):
+                    n = min(TILE_FEATURES, p.rows - n0)
+                    tile = cpu_quant.dequantize_rows(p.data, p.type_id, p.cols, first=n0, count=n)
+                    dst[:, n0 : n0 + n] = x2 @ tile.T
+            else:
+                cpu_quant.matmul(x2, p.data, p.type_id, p.cols, self.numerics, out=dst)
+            start += p.rows
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kinds = ",".join(cpu_quant.TYPE_NAMES.get(p.type_id, "F32") for p in self.parts)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"types={kinds}, numerics={self.numerics}")
+
+
+def _merge_same_type(parts: list[QuantWeight]) -> list[QuantWeight]:
+    """Adjacent block parts of one type as one (row-wise concatenation is byte concatenation):
+    one kernel call per type run instead of per checkpoint tensor (q, k, v; gate, up).
+    NOTE: a single part is kept as it is, so a tied head shares the embedding's blocks."""
+    merged: list[QuantWeight] = []
+    for p in parts:
+        last = merged[-1] if merged else None
+        if last is not None and p.type_id is not None and last.type_id == p.type_id:
+            data = torch.cat([last.data, p.data])
+            merged[-1] = QuantWeight(data, p.type_id, last.rows + p.rows, p.cols)
+        else:
+            merged.append(p)
+    return merged
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding rows gathered from blocks and expanded to float32 per lookup."""
+
+    def __init__(self, weight: QuantWeight) -> None:
+        super().__init__()
+        if weight.type_id is None:
+            raise ValueError("QuantEmbedding needs a quantized weight")
+        self.weight_q = weight
+        self.num_embeddings, self.embedding_dim = weight.rows, weight.cols
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight_q
+        rows = cpu_quant.dequantize_rows(w.data, w.type_id, w.cols, ids=ids.reshape(-1))
+        return rows.view(*ids.shape, w.cols)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, "
+                f"type={cpu_quant.TYPE_NAMES[self.weight_q.type_id]}")
+
+
+def install_quantized(model: nn.Module, weights: dict[str, QuantWeight], numerics: str,
+                      biases: dict[str, torch.Tensor] | None = None) -> set[str]:
+    """Replace `model`'s layers whose weights are all in `weights` (HF names); returns the
+    names used, which the caller must not load again. A layer with only some of its parts
+    quantized gets the rest as dense float32 segments (`weights` holds those too, type None)."""
+    biases = biases or {}
+    groups: dict[str, dict[int, str]] = {}
+    for hf_name in weights:
+        name = hf_name.removeprefix("model.")
+        if name == "embed_tokens.weight" or name == "lm_head.weight":
+            continue
+        target, shard = model._target(name)
+        groups.setdefault(target, {})[0 if shard is None else shard] = hf_name
+    used: set[str] = set()
+    modules = dict(model.named_modules())
+    for target, shards in groups.items():
+        path = target.removesuffix(".weight")
+        module = modules.get(path)
+        if type(module) is not nn.Linear:
+            raise KeyError(f"no linear layer {path!r} for quantized weight {shards}")
+        parts = [weights[shards[i]] for i in sorted(shards)]
+        if (sum(p.rows for p in parts) != module.out_features
+                or all(p.type_id is None for p in parts)):
+            continue  # NOTE: not every part present, or nothing quantized: loaded densely
+        bias = None
+        if module.bias is not None:
+            names = [shards[i].replace(".weight", ".bias") for i in sorted(shards)]
+            if not all(n in biases for n in names):
+                raise KeyError(f"biases of {path!r} missing from the checkpoint")
+            bias = torch.cat([biases[n] for n in names])
+            used.update(names)
+        _set_module(model, path, QuantLinear(parts, bias, numerics))
+        used.update(shards.values())
+    embed = weights.get("model.embed_tokens.weight")
+    if embed is not None and embed.type_id is not None:
+        model.embed_tokens = QuantEmbedding(embed)
+        used.add("model.embed_tokens.weight")
+        if getattr(model, "lm_head", None) is None:
+            model.lm_head = QuantLinear([embed], None, numerics)  # NOTE: tied: the same blocks
+    head = weights.get("lm_head.weight")
+    if head is not None and head.type_id is not None and model.lm_head is not None:
+        model.lm_head = QuantLinear([head], None, numerics)
+        used.add("lm_head.weight")
+    return used
+
+
+def count_weights(model: nn.Module) -> int:
+    """Parameters plus the weights held in quantized layers (a tied head's counted once)."""
+    seen: set[int] = set()
+    total = sum(p.numel() for p in model.parameters())
+    for m in model.modules():
+        parts = m.parts if isinstance(m, QuantLinear) else (
+            [m.weight_q] if isinstance(m, QuantEmbedding) else [])
+        for p in parts:
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.rows * p.cols
+    return total
+
+
+def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:
+    """A dense [rows, cols] weight as Q8_0 blocks (the `gguf` package's quantizer, which is
+    ggml's reference rounding); cols must be a multiple of 32."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rows, cols = weight.shape
+    if cols % 32:
+        raise ValueError(f"int8 quantization needs widths that are multiples of 32, not {cols}")
+    blocks = quantize(weight.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0)
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), Q8_0, rows, cols)
+
+
+def quantize_dense_model(model: nn.Module, numerics: str) -> int:
+    """`--quantization int8`: every plain nn.Linear and the embedding (and so a tied head) of
+    a loaded dense model become Q8_0 layers; returns the number of layers replaced."""
+    count = 0
+    for path, module in list(model.named_modules()):
+        if type(module) is nn.Linear and module.in_features % 32 == 0:
+            bias = None if module.bias is None else module.bias.detach()
+            _set_module(model, path, QuantLinear([quantize_q8_0(module.weight)], bias, numerics))
+            count += 1
+    embed = getattr(model, "embed_tokens", None)
+    if type(embed) is nn.Embedding and embed.embedding_dim % 32 == 0:
+        q = quantize_q8_0(embed.weight)
+        model.embed_tokens = QuantEmbedding(q)
+        if getattr(model, "lm_head", None) is None:
+            model.lm_head = QuantLinear([q], None, numerics)
+        count += 1
+    return count

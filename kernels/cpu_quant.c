@@ -1,0 +1,733 @@
+/* Products with GGUF-quantized weights on the CPU: out[M, N] = x[M, K] @ W[N, K]^T.
+ *
+ * W stays in its file's blocks, row-major: row n is K / block_elems blocks. Every type is read
+ * as groups of 32 weights: 32 small integers q (unsigned, or signed for Q8_0 and Q6_K) with
+ * w = a * q + b, where a is one scale per 16 weights (a0, a1; equal except for Q6_K) and b one
+ * offset per group (the min of the _1 and _K types, -offset * scale for Q4_0 and Q5_0, zero
+ * for the signed ones). Block formats (ggml's, as the `gguf` package documents them):
+ *   Q4_0: f16 d, 16 bytes of nibbles (low nibbles: weights 0-15, high: 16-31), w = d (q - 8)
+ *   Q4_1: f16 d, f16 m, 16 bytes of nibbles, w = d q + m
+ *   Q5_0: f16 d, u32 qh (bit i: 5th bit of weight i), 16 bytes of nibbles, w = d (q - 16)
+ *   Q5_1: f16 d, f16 m, u32 qh, 16 bytes of nibbles, w = d q + m
+ *   Q8_0: f16 d, 32 int8, w = d q
+ *   Q4_K (256 weights): f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles;
+ *         group g: w = d sc[g] q - dmin m[g]
+ *   Q5_K: as Q4_K plus 32 bytes qh (bit g of byte i: 5th bit of weight i of group g)
+ *   Q6_K: 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16), f16 d;
+ *         w = d sc (q - 32)
+ *
+ * Two numerics: A32 expands each group to float32 in registers and multiplies in float32
+ * (the dequantized model's product up to summation order); A8 quantizes each row's 32-value
+ * groups of x to int8 (dx = max|x| / 127, round to nearest) and multiplies with integer dot
+ * products (vpdpbusd with VNNI: unsigned weights times signed activations, so the unsigned
+ * types need no sign trick; the b term is b * dx * sum(qx) per group).
+ *
+ * One pass over W serves every row: threads take chunks of output features, each chunk's
+ * weights are reused from cache for every tile of rows. ISA paths (scalar, AVX2, AVX-512 VNNI)
+ * are compiled with per-function target attributes and chosen at run time (or forced).
+ * Built and loaded by kernels/cpu_quant.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX512 = 3 };
+enum { NUM_A32 = 0, NUM_A8 = 1 };
+
+#define NCHUNK 16 /* output features per task */
+#define GEMM_CHUNK 32 /* output features per task of the expanded-tile path */
+/* rows from which a32 takes the expanded-tile path on AVX-512: 576 x 3072 Q4_1, one thread,
+ * 0.39 ms against 0.40 for register tiles at 8 rows, 0.55 against 0.79 at 16 */
+int GEMM_ROWS = 8;
+
+/* ---- shared helpers ------------------------------------------------------------------------ */
+
+static float f16_to_f32(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            int e = -1;
+            do {
+                man <<= 1;
+                e++;
+            } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t rd16(const uint8_t *p)
+{
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+int block_elems(int type)
+{
+    switch (type) {
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return 32;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+int block_bytes(int type)
+{
+    switch (type) {
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline int is_signed(int type) { return type == T_Q8_0 || type == T_Q6_K; }
+
+/* The 6-bit scale and min of sub-block j of a Q4_K/Q5_K super-block. */
+static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *m)
+{
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Scales of group g of a row: a0 (weights 0-15), a1 (16-31), b; and where its bytes are. */
+typedef struct {
+    float a0, a1, b;
+} Scales;
+
+static inline Scales group_scales(int type, const uint8_t *row, int64_t g)
+{
+    Scales s;
+    if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) {
+        const uint8_t *blk = row + (g >> 3) * block_bytes(type);
+        const int j = (int)(g & 7);
+        if (type == T_Q6_K) {
+            const float d = f16_to_f32(rd16(blk + 208));
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            s.a0 = d * sc[2 * j];
+            s.a1 = d * sc[2 * j + 1];
+            s.b = 0.0f;
+        } else {
+            int sc, m;
+            k_scale_min(blk + 4, j, &sc, &m);
+            s.a0 = s.a1 = f16_to_f32(rd16(blk)) * (float)sc;
+            s.b = -f16_to_f32(rd16(blk + 2)) * (float)m;
+        }
+        return s;
+    }
+    const uint8_t *blk = row + g * block_bytes(type);
+    const float d = f16_to_f32(rd16(blk));
+    s.a0 = s.a1 = d;
+    switch (type) {
+    case T_Q4_0: s.b = -8.0f * d; break;
+    case T_Q5_0: s.b = -16.0f * d; break;
+    case T_Q4_1: case T_Q5_1: s.b = f16_to_f32(rd16(blk + 2)); break;
+    default: s.b = 0.0f;
+    }
+    return s;
+}
+
+/* The 32 integers of group g (int8 bit patterns for the signed types). */
+static inline void group_q_scalar(int type, const uint8_t *row, int64_t g, uint8_t q[32])
+{
+    if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) {
+        const uint8_t *blk = row + (g >> 3) * block_bytes(type);
+        const int j = (int)(g & 7);
+        if (type == T_Q6_K) {
+            const int h = j >> 2, sh = ((j >> 1) & 1) * 4, half = j & 1, t = j & 3;
+            const uint8_t *ql = blk + h * 64 + half * 32, *qh = blk + 128 + h * 32;
+            for (int i = 0; i < 32; i++)
+                q[i] = (uint8_t)((int)(((ql[i] >> sh) & 0xF) | (((qh[i] >> (2 * t)) & 3) << 4)) - 32);
+            return;
+        }
+        const uint8_t *qs = blk + (type == T_Q4_K ? 16 : 48) + (j >> 1) * 32;
+        const int sh = (j & 1) * 4;
+        for (int i = 0; i < 32; i++)
+            q[i] = (qs[i] >> sh) & 0xF;
+        if (type == T_Q5_K)
+            for (int i = 0; i < 32; i++)
+                q[i] |= ((blk[16 + i] >> j) & 1) << 4;
+        return;
+    }
+    const uint8_t *blk = row + g * block_bytes(type);
+    if (type == T_Q8_0) {
+        memcpy(q, blk + 2, 32);
+        return;
+    }
+    const uint8_t *qs = blk + (type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8);
+    for (int i = 0; i < 16; i++) {
+        q[i] = qs[i] & 0xF;
+        q[i + 16] = qs[i] >> 4;
+    }
+    if (type == T_Q5_0 || type == T_Q5_1) {
+        uint32_t qh;
+        memcpy(&qh, blk + (type == T_Q5_0 ? 2 : 4), 4);
+        for (int i = 0; i < 32; i++)
+            q[i] |= ((qh >> i) & 1) << 4;
+    }
+}
+
+static inline void group_f32_scalar(int type, const uint8_t *row, int64_t g, float w[32])
+{
+    uint8_t q[32];
+    group_q_scalar(type, row, g, q);
+    const Scales s = group_scales(type, row, g);
+    const int sg = is_signed(type);
+    for (int i = 0; i < 32; i++) {
+        const float v = sg ? (float)(int8_t)q[i] : (float)q[i];
+        w[i] = (i < 16 ? s.a0 : s.a1) * v + s.b;
+    }
+}
+
+/* ---- activations to int8 (A8) ------------------------------------------------------------ */
+
+typedef struct {
+    int8_t *q;   /* [M, K] */
+    float *dx;   /* [M, K / 32] */
+    float *sx;   /* [M, K / 32]: dx * sum(q) */
+} QAct;
+
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *dx, float *sx)
+{
+    for (int64_t g = 0; g < K / 32; g++) {
+        const float *xg = x + g * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++)
+            amax = fmaxf(amax, fabsf(xg[i]));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < 32; i++) {
+            float v = nearbyintf(xg[i] * id);
+            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+            q[g * 32 + i] = (int8_t)v;
+            sum += (int)v;
+        }
+        dx[g] = d;
+        sx[g] = d * (float)sum;
+    }
+}
+
+/* ---- scalar path --------------------------------------------------------------------------- */
+
+static void rows_scalar(int type, int numerics, const uint8_t *w, int64_t row_bytes, int64_t n0,
+                        int64_t n1, int64_t K, const float *x, int64_t xs, const QAct *qa,
+                        int64_t M, float *out, int64_t os)
+{
+    const int64_t G = K / 32;
+    const int sg = is_signed(type);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t r = 0; r < M; r++) {
+            double acc = 0.0; /* NOTE: a reference path: exactness over speed */
+            for (int64_t g = 0; g < G; g++) {
+                if (numerics == NUM_A32) {
+                    float wf[32];
+                    group_f32_scalar(type, row, g, wf);
+                    const float *xg = x + r * xs + g * 32;
+                    float s = 0.0f;
+                    for (int i = 0; i < 32; i++)
+                        s += wf[i] * xg[i];
+                    acc += s;
+                } else {
+                    uint8_t q[32];
+                    group_q_scalar(type, row, g, q);
+                    const Scales sc = group_scales(type, row, g);
+                    const int8_t *qx = qa->q + r * K + g * 32;
+                    int32_t lo = 0, hi = 0;
+                    for (int i = 0; i < 16; i++) {
+                        lo += (sg ? (int)(int8_t)q[i] : (int)q[i]) * qx[i];
+                        hi += (sg ? (int)(int8_t)q[i + 16] : (int)q[i + 16]) * qx[i + 16];
+                    }
+                    const float dx = qa->dx[r * G + g];
+                    acc += sc.a0 * dx * (float)lo + sc.a1 * dx * (float)hi
+                           + sc.b * qa->sx[r * G + g];
+                }
+            }
+            out[r * os + n] = (float)acc;
+        }
+    }
+}
+
+/* ---- x86 SIMD paths ------------------------------------------------------------------------ */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define T2 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+#define T2F __attribute__((target("avx2,fma,f16c")))
+#define T5F __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define T5 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"), \
+                          always_inline)) static inline
+
+T2 float h2f(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+
+/* 32 bits -> 32 bytes of `val` where the bit is set */
+T2 __m256i bits_to_bytes(uint32_t bits, int val)
+{
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+    return _mm256_and_si256(v, _mm256_set1_epi8((char)val));
+}
+
+/* Group g: its 32 integers in a ymm and its scales (the type is a constant after inlining). */
+T2 __m256i group_q_avx2(int type, const uint8_t *row, int64_t g, Scales *s)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) {
+        const int bb = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
+        const uint8_t *blk = row + (g >> 3) * bb;
+        const int j = (int)(g & 7);
+        if (type == T_Q6_K) {
+            const int h = j >> 2, sh = ((j >> 1) & 1) * 4, half = j & 1, t = j & 3;
+            const float d = h2f(blk + 208);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            s->a0 = d * sc[2 * j];
+            s->a1 = d * sc[2 * j + 1];
+            s->b = 0.0f;
+            __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + half * 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+            ql = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(sh)), m4);
+            qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)),
+                                  _mm256_set1_epi8(3));
+            return _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)),
+                                   _mm256_set1_epi8(32));
+        }
+        int sc, m;
+        k_scale_min(blk + 4, j, &sc, &m);
+        s->a0 = s->a1 = h2f(blk) * (float)sc;
+        s->b = -h2f(blk + 2) * (float)m;
+        __m256i q = _mm256_loadu_si256(
+            (const __m256i *)(blk + (type == T_Q4_K ? 16 : 48) + (j >> 1) * 32));
+        q = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128((j & 1) * 4)), m4);
+        if (type == T_Q5_K) {
+            const __m256i hb = _mm256_set1_epi8((char)(1 << j));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+            qh = _mm256_cmpeq_epi8(_mm256_and_si256(qh, hb), hb);
+            q = _mm256_or_si256(q, _mm256_and_si256(qh, _mm256_set1_epi8(0x10)));
+        }
+        return q;
+    }
+    const int bb = block_bytes(type);
+    const uint8_t *blk = row + g * bb;
+    const float d = h2f(blk);
+    s->a0 = s->a1 = d;
+    if (type == T_Q8_0) {
+        s->b = 0.0f;
+        return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    }
+    s->b = type == T_Q4_0 ? -8.0f * d : type == T_Q5_0 ? -16.0f * d : h2f(blk + 2);
+    const int off = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8;
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + off));
+    __m256i q = _mm256_set_m128i(_mm_srli_epi16(qs, 4), qs);
+    q = _mm256_and_si256(q, m4);
+    if (type == T_Q5_0 || type == T_Q5_1) {
+        uint32_t qh;
+        memcpy(&qh, blk + (type == T_Q5_0 ? 2 : 4), 4);
+        q = _mm256_or_si256(q, bits_to_bytes(qh, 0x10));
+    }
+    return q;
+}
+
+T2 float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* q (32 bytes) -> four vectors of 8 floats: w = a * q + b */
+T2 void expand_avx2(__m256i q, int sg, Scales s, __m256 w[4])
+{
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i p[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    const __m256 b = _mm256_set1_ps(s.b);
+    for (int k = 0; k < 4; k++) {
+        const __m256i v = sg ? _mm256_cvtepi8_epi32(p[k]) : _mm256_cvtepu8_epi32(p[k]);
+        w[k] = _mm256_fmadd_ps(_mm256_set1_ps(k < 2 ? s.a0 : s.a1), _mm256_cvtepi32_ps(v), b);
+    }
+}
+
+/* int dot of 32 weight integers with 32 int8 activations: 8 int32 lanes (lanes 0-3: 0-15) */
+T2 __m256i dot_avx2(__m256i q, int sg, __m256i qx)
+{
+    if (sg) {
+        qx = _mm256_sign_epi8(qx, q);
+        q = _mm256_abs_epi8(q);
+    }
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, qx), _mm256_set1_epi16(1));
+}
+
+#define RT2 4 /* rows per tile, AVX2 */
+
+/* Rows r0..r0+RT of output features [n0, n1); RT is a constant after inlining. */
+T2 void tile_avx2(int type, int numerics, const int RT, const uint8_t *w, int64_t row_bytes,
+                  int64_t n0, int64_t n1, int64_t K, const float *x, int64_t xs, const QAct *qa,
+                  int64_t r0, float *out, int64_t os)
+{
+    const int64_t G = K / 32;
+    const int sg = is_signed(type);
+    {
+        int64_t rr[8];
+        for (int t = 0; t < RT; t++)
+            rr[t] = r0 + t;
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *row = w + n * row_bytes;
+            __m256 acc[8];
+            float bacc[8];
+            for (int t = 0; t < RT; t++) {
+                acc[t] = _mm256_setzero_ps();
+                bacc[t] = 0.0f;
+            }
+            for (int64_t g = 0; g < G; g++) {
+                Scales s;
+                const __m256i q = group_q_avx2(type, row, g, &s);
+                if (numerics == NUM_A32) {
+                    __m256 wv[4];
+                    expand_avx2(q, sg, s, wv);
+                    for (int t = 0; t < RT; t++) {
+                        const float *xg = x + rr[t] * xs + g * 32;
+                        for (int k = 0; k < 4; k++)
+                            acc[t] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xg + 8 * k), acc[t]);
+                    }
+                } else {
+                    /* NOTE: one scale per group except Q6_K's two halves */
+                    const __m256 av = type == T_Q6_K
+                        ? _mm256_setr_ps(s.a0, s.a0, s.a0, s.a0, s.a1, s.a1, s.a1, s.a1)
+                        : _mm256_set1_ps(s.a0);
+                    for (int t = 0; t < RT; t++) {
+                        const __m256i qx = _mm256_loadu_si256(
+                            (const __m256i *)(qa->q + rr[t] * K + g * 32));
+                        const __m256 p = _mm256_cvtepi32_ps(dot_avx2(q, sg, qx));
+                        const __m256 sc = _mm256_mul_ps(av, _mm256_set1_ps(qa->dx[rr[t] * G + g]));
+                        acc[t] = _mm256_fmadd_ps(p, sc, acc[t]);
+                        bacc[t] += s.b * qa->sx[rr[t] * G + g];
+                    }
+                }
+            }
+            for (int t = 0; t < RT; t++)
+                out[(r0 + t) * os + n] = hsum8(acc[t]) + bacc[t];
+        }
+    }
+}
+
+#define RT5 8 /* rows per tile, AVX-512 */
+
+T5 float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+T5 void tile_avx512(int type, int numerics, const int RT, const uint8_t *w, int64_t row_bytes,
+                    int64_t n0, int64_t n1, int64_t K, const float *x, int64_t xs,
+                    const QAct *qa, int64_t r0, float *out, int64_t os)
+{
+    const int64_t G = K / 32;
+    const int sg = is_signed(type);
+    {
+        int64_t rr[RT5];
+        for (int t = 0; t < RT; t++)
+            rr[t] = r0 + t;
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *row = w + n * row_bytes;
+            if (numerics == NUM_A32) {
+                __m512 acc[RT5];
+                for (int t = 0; t < RT; t++)
+                    acc[t] = _mm512_setzero_ps();
+                for (int64_t g = 0; g < G; g++) {
+                    Scales s;
+                    const __m256i q = group_q_avx2(type, row, g, &s);
+                    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+                    const __m512i vl = sg ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
+                    const __m512i vh = sg ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
+                    const __m512 b = _mm512_set1_ps(s.b);
+                    const __m512 wl = _mm512_fmadd_ps(_mm512_set1_ps(s.a0), _mm512_cvtepi32_ps(vl), b);
+                    const __m512 wh = _mm512_fmadd_ps(_mm512_set1_ps(s.a1), _mm512_cvtepi32_ps(vh), b);
+                    for (int t = 0; t < RT; t++) {
+                        const float *xg = x + rr[t] * xs + g * 32;
+                        acc[t] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xg), acc[t]);
+                        acc[t] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xg + 16), acc[t]);
+                    }
+                }
+                for (int t = 0; t < RT; t++)
+                    out[(r0 + t) * os + n] = hsum16(acc[t]);
+            } else {
+                __m256 acc[RT5];
+                float bacc[RT5];
+                for (int t = 0; t < RT; t++) {
+                    acc[t] = _mm256_setzero_ps();
+                    bacc[t] = 0.0f;
+                }
+                for (int64_t g = 0; g < G; g++) {
+                    Scales s;
+                    __m256i q = group_q_avx2(type, row, g, &s);
+                    /* NOTE: one scale per group except Q6_K's two halves */
+                    const __m256 av = type == T_Q6_K
+                        ? _mm256_setr_ps(s.a0, s.a0, s.a0, s.a0, s.a1, s.a1, s.a1, s.a1)
+                        : _mm256_set1_ps(s.a0);
+                    __m256i aq = sg ? _mm256_abs_epi8(q) : q;
+                    for (int t = 0; t < RT; t++) {
+                        __m256i qx = _mm256_loadu_si256(
+                            (const __m256i *)(qa->q + rr[t] * K + g * 32));
+                        if (sg)
+                            qx = _mm256_sign_epi8(qx, q);
+                        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aq, qx);
+                        const __m256 sc = _mm256_mul_ps(av, _mm256_set1_ps(qa->dx[rr[t] * G + g]));
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[t]);
+                        bacc[t] += s.b * qa->sx[rr[t] * G + g];
+                    }
+                }
+                for (int t = 0; t < RT; t++)
+                    out[(r0 + t) * os + n] = hsum8(acc[t]) + bacc[t];
+            }
+        }
+    }
+}
+
+/* One instance per type, so that the type-dependent branches fold away. */
+#define INSTANCES(X) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) X(T_Q8_0) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K)
+
+/* Every tile of rows: full tiles of RT2 (RT5) rows, then one tile of the rest. */
+#define TILES(FN, RTMAX, T, NUM)                                                              \
+    for (int64_t r0 = 0; r0 < M;) {                                                           \
+        const int64_t left = M - r0;                                                          \
+        switch (left >= RTMAX ? RTMAX : left) {                                               \
+        case 8: FN(T, NUM, 8, w, rb, n0, n1, K, x, xs, qa, r0, out, os); r0 += 8; break;      \
+        case 7: FN(T, NUM, 7, w, rb, n0, n1, K, x, xs, qa, r0, out, os); r0 += 7; break;      \
+        case 6: FN(T, NUM, 6, w, rb, n0, n1, K, x, xs, qa, r0, out, os); r0 += 6; break;      \
+        case 5: FN(T, NUM, 5, w, rb, n0, n1, K, x, xs, qa, r0, out, os); r0 += 5; break;      \
+        case 4: FN(T, NUM, 4, w, rb, n0, n1, K, x, xs, qa, r0, out, os); r0 += 4; break;      \
+        case 3: FN(T, NUM, 3, w, rb, n0, n1, K, x, xs, qa, r0, out, os); r0 += 3; break;      \
+        case 2: FN(T, NUM, 2, w, rb, n0, n1, K, x, xs, qa, r0, out, os); r0 += 2; break;      \
+        default: FN(T, NUM, 1, w, rb, n0, n1, K, x, xs, qa, r0, out, os); r0 += 1; break;     \
+        }                                                                                     \
+    }
+
+T2F static void rows_avx2(int type, int numerics, const uint8_t *w, int64_t rb, int64_t n0,
+                          int64_t n1, int64_t K, const float *x, int64_t xs, const QAct *qa,
+                          int64_t M, float *out, int64_t os)
+{
+#define CASE2(T)                                                                              \
+    case T:                                                                                   \
+        if (numerics == NUM_A32)                                                              \
+            TILES(tile_avx2, RT2, T, NUM_A32)                                                 \
+        else                                                                                  \
+            TILES(tile_avx2, RT2, T, NUM_A8)                                                  \
+        break;
+    switch (type) { INSTANCES(CASE2) }
+}
+
+T5F static void rows_avx512(int type, int numerics, const uint8_t *w, int64_t rb, int64_t n0,
+                            int64_t n1, int64_t K, const float *x, int64_t xs, const QAct *qa,
+                            int64_t M, float *out, int64_t os)
+{
+#define CASE5(T)                                                                              \
+    case T:                                                                                   \
+        if (numerics == NUM_A32)                                                              \
+            TILES(tile_avx512, RT5, T, NUM_A32)                                               \
+        else                                                                                  \
+            TILES(tile_avx512, RT5, T, NUM_A8)                                                \
+        break;
+    switch (type) { INSTANCES(CASE5) }
+}
+
+T2F static void dequant_avx2(int type, const uint8_t *row, int64_t K, float *out)
+{
+#define CASED(T)                                                                              \
+    case T:                                                                                   \
+        for (int64_t g = 0; g < K / 32; g++) {                                                \
+            Scales s;                                                                         \
+            __m256 wv[4];                                                                     \
+            expand_avx2(group_q_avx2(T, row, g, &s), is_signed(T), s, wv);                    \
+            for (int k = 0; k < 4; k++)                                                       \
+                _mm256_storeu_ps(out + g * 32 + 8 * k, wv[k]);                                \
+        }                                                                                     \
+        break;
+    switch (type) { INSTANCES(CASED) }
+}
+
+/* A32 for many rows: the chunk's weights expanded once into wbuf (L2-resident), then 4 rows x
+ * 4 features of float32 FMAs per step of 16 (16 accumulators): an expanded-tile GEMM. */
+T5F static void gemm_avx512(int type, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1,
+                            int64_t K, const float *x, int64_t xs, int64_t M, float *out,
+                            int64_t os, float *wbuf)
+{
+    const int64_t nn = n1 - n0;
+    for (int64_t i = 0; i < nn; i++)
+        dequant_avx2(type, w + (n0 + i) * rb, K, wbuf + i * K);
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int rt = M - r0 < 4 ? (int)(M - r0) : 4;
+        const float *xr[4];
+        for (int t = 0; t < 4; t++)
+            xr[t] = x + (r0 + (t < rt ? t : 0)) * xs; /* NOTE: a short tile repeats a row */
+        for (int64_t j = 0; j < nn; j += 4) {
+            const int nt = nn - j < 4 ? (int)(nn - j) : 4;
+            const float *wr[4];
+            for (int u = 0; u < 4; u++)
+                wr[u] = wbuf + (j + (u < nt ? u : 0)) * K;
+            __m512 acc[4][4];
+            for (int t = 0; t < 4; t++)
+                for (int u = 0; u < 4; u++)
+                    acc[t][u] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16) {
+                __m512 wv[4];
+                for (int u = 0; u < 4; u++)
+                    wv[u] = _mm512_loadu_ps(wr[u] + k);
+                for (int t = 0; t < 4; t++) {
+                    const __m512 xv = _mm512_loadu_ps(xr[t] + k);
+                    for (int u = 0; u < 4; u++)
+                        acc[t][u] = _mm512_fmadd_ps(xv, wv[u], acc[t][u]);
+                }
+            }
+            for (int t = 0; t < rt; t++)
+                for (int u = 0; u < nt; u++)
+                    out[(r0 + t) * os + n0 + j + u] = _mm512_reduce_add_ps(acc[t][u]);
+        }
+    }
+}
+
+int isa_supported(int isa)
+{
+    __builtin_cpu_init();
+    switch (isa) {
+    case ISA_SCALAR: return 1;
+    case ISA_AVX2:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+               && __builtin_cpu_supports("f16c");
+    case ISA_AVX512:
+        return isa_supported(ISA_AVX2) && __builtin_cpu_supports("avx512f")
+               && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+               && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+    default: return 0;
+    }
+}
+#else
+int isa_supported(int isa) { return isa == ISA_SCALAR; }
+#endif
+
+int best_isa(void)
+{
+    return isa_supported(ISA_AVX512) ? ISA_AVX512 : isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
+}
+
+/* ---- entry points -------------------------------------------------------------------------- */
+
+/* out[m, n] (row stride os) = sum_k x[m, k] (row stride xs) W[n, k], for n in [0, N).
+ * Returns 0, or -1 for an unknown type, a K the type cannot hold, an ISA this CPU lacks, or
+ * no memory. */
+int quant_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t xs,
+                 int64_t M, float *out, int64_t os, int numerics, int isa, int num_threads)
+{
+    const int be = block_elems(type);
+    if (be == 0 || K % be != 0 || M < 1 || N < 1)
+        return -1;
+    if (isa == ISA_AUTO)
+        isa = best_isa();
+    if (!isa_supported(isa))
+        return -1;
+    const int64_t rb = K / be * block_bytes(type), G = K / 32;
+    QAct qa = {NULL, NULL, NULL};
+    if (numerics == NUM_A8) {
+        qa.q = malloc((size_t)(M * K));
+        qa.dx = malloc(sizeof(float) * (size_t)(M * G));
+        qa.sx = malloc(sizeof(float) * (size_t)(M * G));
+        if (!qa.q || !qa.dx || !qa.sx) {
+            free(qa.q), free(qa.dx), free(qa.sx);
+            return -1;
+        }
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= 8)
+        for (int64_t r = 0; r < M; r++)
+            quantize_row(x + r * xs, K, qa.q + r * K, qa.dx + r * G, qa.sx + r * G);
+    }
+    /* NOTE: a32 from GEMM_ROWS rows on AVX-512: expanded tiles (gemm_avx512) */
+    const int gemm = numerics == NUM_A32 && isa == ISA_AVX512 && M >= GEMM_ROWS;
+    const int64_t step = gemm ? GEMM_CHUNK : NCHUNK, chunks = (N + step - 1) / step;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *wbuf = gemm ? malloc(sizeof(float) * (size_t)(GEMM_CHUNK * K)) : NULL;
+        if (gemm && !wbuf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t n0 = c * step, n1 = n0 + step < N ? n0 + step : N;
+#if defined(__x86_64__) || defined(__i386__)
+            if (gemm && wbuf)
+                gemm_avx512(type, w, rb, n0, n1, K, x, xs, M, out, os, wbuf);
+            else if (gemm)
+                continue;
+            else if (isa == ISA_AVX512)
+                rows_avx512(type, numerics, w, rb, n0, n1, K, x, xs, &qa, M, out, os);
+            else if (isa == ISA_AVX2)
+                rows_avx2(type, numerics, w, rb, n0, n1, K, x, xs, &qa, M, out, os);
+            else
+#endif
+                rows_scalar(type, numerics, w, rb, n0, n1, K, x, xs, &qa, M, out, os);
+        }
+        free(wbuf);
+    }
+    if (failed) {
+        free(qa.q), free(qa.dx), free(qa.sx);
+        return -1;
+    }
+    free(qa.q), free(qa.dx), free(qa.sx);
+    return 0;
+}
+
+/* out[i, :] = the float32 weights of row ids[i] (ids NULL: row first + i), i < M. */
+int quant_dequant_rows(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t first,
+                       int64_t M, int64_t num_rows, float *out, int isa, int num_threads)
+{
+    const int be = block_elems(type);
+    if (be == 0 || K % be != 0)
+        return -1;
+    if (isa == ISA_AUTO)
+        isa = best_isa();
+    if (!isa_supported(isa))
+        return -1;
+    const int64_t rb = K / be * block_bytes(type);
+    for (int64_t i = 0; i < M; i++) {
+        const int64_t id = ids ? ids[i] : first + i;
+        if (id < 0 || id >= num_rows)
+            return -2;
+    }
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
+    for (int64_t i = 0; i < M; i++) {
+        const uint8_t *row = w + (ids ? ids[i] : first + i) * rb;
+#if defined(__x86_64__) || defined(__i386__)
+        if (isa != ISA_SCALAR) {
+            dequant_avx2(type, row, K, out + i * K);
+            continue;
+        }
+#endif
+        for (int64_t g = 0; g < K / 32; g++)
+            group_f32_scalar(type, row, g, out + i * K + g * 32);
+    }
+    return 0;
+}

@@ -1,0 +1,130 @@
+"""Products and row gathers with GGUF-quantized weights on the CPU (kernels/cpu_quant.c).
+
+Weights stay in their file's blocks: a uint8 tensor [N, row_bytes] per matrix (row n holds
+the K weights of output feature n as K / block_elems blocks). `matmul` computes x @ W^T with
+one of two numerics, `a32` (weights expanded to float32 in registers, float32 FMA) or `a8`
+(activations quantized to int8 per 32 values, integer dot products: llama.cpp's method);
+`dequantize_rows` expands chosen rows (the embedding's gather, prefill tiles). The ISA path
+is chosen at run time (AVX-512 VNNI, AVX2, scalar) unless a caller forces one. Compiled on
+first use by kernels/cc_build.py without -march=native: the SIMD paths carry their own target
+attributes, so the scalar path stays portable. The OpenMP runtime is the libgomp torch loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_quant.c")
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=gnu11"]
+
+# ggml type ids (gguf.GGMLQuantizationType) -> (weights per block, bytes per block)
+BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+          12: (256, 144), 13: (256, 176), 14: (256, 210)}
+TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+              12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+NUMERICS = {"a32": 0, "a8": 1}
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def available() -> bool:
+    """The library is built and loaded (tried once per process)."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        from kernels import cc_build
+
+        try:
+            lib = cc_build.build(SOURCE, FLAGS)
+        except ImportError:
+            return False
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        lib.quant_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32, i32, i32]
+        lib.quant_dequant_rows.argtypes = [i32, ptr, i64, ptr, i64, i64, i64, ptr, i32, i32]
+        lib.quant_matmul.restype = lib.quant_dequant_rows.restype = i32
+        lib.isa_supported.argtypes = [i32]
+        lib.isa_supported.restype = lib.best_isa.restype = i32
+        _lib = lib
+    return _lib is not None
+
+
+def _library() -> ctypes.CDLL:
+    if not available():
+        raise RuntimeError("kernels/cpu_quant.c could not be built (is a C compiler installed?)")
+    return _lib
+
+
+def isa_supported(isa: str) -> bool:
+    return bool(_library().isa_supported(ISAS[isa]))
+
+
+def best_isa() -> str:
+    return {v: k for k, v in ISAS.items()}[_library().best_isa()]
+
+
+def row_bytes(type_id: int, k: int) -> int:
+    elems, nbytes = BLOCKS[type_id]
+    if k % elems:
+        raise ValueError(f"{TYPE_NAMES[type_id]} rows hold multiples of {elems} weights, not {k}")
+    return k // elems * nbytes
+
+
+def matmul(x: torch.Tensor, blocks: torch.Tensor, type_id: int, k: int, numerics: str = "a32",
+           isa: str = "auto", out: torch.Tensor | None = None,
+           num_threads: int | None = None) -> torch.Tensor:
+    """x [M, k] float32 (rows contiguous) @ W^T -> [M, N] float32; W is `blocks` [N, bytes]."""
+    lib = _library()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"x must be float32 [M, {k}] with contiguous rows")
+    if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
+        raise ValueError("blocks must be a contiguous uint8 tensor")
+    n, m = blocks.shape[0], x.shape[0]
+    if blocks.shape[1] != row_bytes(type_id, k):
+        raise ValueError(f"blocks rows hold {blocks.shape[1]} bytes, {TYPE_NAMES[type_id]} x "
+                         f"{k} needs {row_bytes(type_id, k)}")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    if out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 [{m}, {n}] with contiguous rows")
+    if m == 0:
+        return out
+    rc = lib.quant_matmul(type_id, blocks.data_ptr(), n, k, x.data_ptr(), x.stride(0), m,
+                          out.data_ptr(), out.stride(0), NUMERICS[numerics], ISAS[isa],
+                          num_threads or torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"quant_matmul failed ({TYPE_NAMES[type_id]}, isa {isa})")
+    return out
+
+
+def dequantize_rows(blocks: torch.Tensor, type_id: int, k: int, ids: torch.Tensor | None = None,
+                    first: int = 0, count: int | None = None, isa: str = "auto",
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [len(ids) or count, k]: the rows `ids` (int64) of W, or rows first..first+count."""
+    lib = _library()
+    if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
+        raise ValueError("blocks must be a contiguous uint8 tensor")
+    if blocks.shape[1] != row_bytes(type_id, k):
+        raise ValueError(f"blocks rows hold {blocks.shape[1]} bytes, not {row_bytes(type_id, k)}")
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous()
+        count = ids.numel()
+    elif count is None:
+        count = blocks.shape[0] - first
+    if out is None:
+        out = torch.empty(count, k, dtype=torch.float32)
+    if out.shape != (count, k) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 [{count}, {k}]")
+    rc = lib.quant_dequant_rows(type_id, blocks.data_ptr(), k,
+                                None if ids is None else ids.data_ptr(), first, count,
+                                blocks.shape[0], out.data_ptr(), ISAS[isa],
+                                torch.get_num_threads())
+    if rc == -2:
+        raise IndexError(f"row ids out of range [0, {blocks.shape[0]})")
+    if rc:
+        raise RuntimeError(f"quant_dequant_rows failed ({TYPE_NAMES[type_id]}, isa {isa})")
+    return out

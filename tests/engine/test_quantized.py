@@ -1,0 +1,144 @@
+"""Quantized weights in the engine (--quantization): tiny GGUF files of each block type.
+
+`gguf` (a32 numerics) must give the greedy tokens of `none` (the same file dequantized to
+float32) token for token: a32 is the dequantized product up to summation order. `a8` is
+reported (agreement, log-prob error) and checked only for being close. `int8` on a dense
+checkpoint: sampled-token log-probs within a stated tolerance of the dense run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_quant_gguf import write_tiny_gguf
+from tiny_llama import build_tiny_llama
+
+from engine import LLM, SamplingParams
+from engine.models.quant_linear import QuantEmbedding, QuantLinear
+from ipc.model_source import resolve_model
+from kernels import cpu_quant
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler")
+
+PROMPTS = [[1, 422, 3110, 2706], [1] + list(range(300, 340)), [5, 6, 7]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
+SMALL = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory, bundled_tokenizer_dir):
+    """Widths that are multiples of 256, for the K-quants' super-blocks."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-wide"), bundled_tokenizer_dir,
+                            hidden_size=256, intermediate_size=512)
+
+
+def _run(path, tok_dir, **options):
+    llm = LLM(str(path), tokenizer=str(tok_dir), max_model_len=256, num_gpu_blocks=64,
+              **options)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    return llm, outs
+
+
+@pytest.mark.parametrize("type_name", SMALL + K_TYPES)
+def test_gguf_a32_equals_dequantized(type_name, tiny_model_dir, wide_model_dir,
+                                     bundled_tokenizer_dir, tmp_path):
+    src = wide_model_dir if type_name in K_TYPES else tiny_model_dir
+    path = write_tiny_gguf(src, tmp_path / f"tiny-{type_name}.gguf", type_name)
+    llm, quant = _run(path, bundled_tokenizer_dir, quantization="gguf")
+    model = llm.engine.runner.model
+    kinds = {m.parts[0].type_id for m in model.modules() if isinstance(m, QuantLinear)}
+    assert cpu_quant.TYPE_NAMES[max(kinds)] in (type_name, "Q8_0")  # Q8_0: the tied head
+    assert isinstance(model.embed_tokens, QuantEmbedding)
+    assert not any(p.dim() == 2 for p in model.parameters())  # no float32 expansion
+    float_cache = resolve_model(str(path)).cache_dir() / "weights-float32.safetensors"
+    assert not float_cache.exists()
+    del llm
+    _, dense = _run(path, bundled_tokenizer_dir, quantization="none")
+    for q, d in zip(quant, dense, strict=True):
+        assert q.token_ids == d.token_ids, type_name
+
+
+@pytest.mark.parametrize("other", ["F16", "Q2_K"])
+def test_mixed_types_in_one_fused_layer(other, wide_model_dir, bundled_tokenizer_dir, tmp_path,
+                                        caplog):
+    """q/k in Q4_K, v in a type without a kernel (dequantized at load, one log line): the
+    fused qkv layer has a dense segment beside its block segments."""
+    path = write_tiny_gguf(wide_model_dir, tmp_path / f"mixed-{other}.gguf", "Q4_K",
+                           overrides={"attn_v": other, "ffn_down": "Q6_K"})
+    with caplog.at_level("INFO", logger="engine.models.loader"):
+        llm, quant = _run(path, bundled_tokenizer_dir, quantization="gguf")
+    qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert [p.type_id for p in qkv.parts] == [12, None]  # q and k merged: one kernel call
+    logged = [r.getMessage() for r in caplog.records if "no quantized kernel" in r.getMessage()]
+    assert len(logged) == (2 if other == "Q2_K" else 0)  # F16 is a plain type: no line
+    del llm
+    _, dense = _run(path, bundled_tokenizer_dir, quantization="none")
+    assert [o.token_ids for o in quant] == [o.token_ids for o in dense]
+
+
+def test_gguf_a8_is_close(tiny_model_dir, bundled_tokenizer_dir, tmp_path, capsys):
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny-q4_1.gguf", "Q4_1")
+    _, a8 = _run(path, bundled_tokenizer_dir, quantization="gguf", quantization_numerics="a8")
+    _, a32 = _run(path, bundled_tokenizer_dir, quantization="gguf")
+    same = total = 0
+    worst = 0.0
+    for x, y in zip(a8, a32, strict=True):
+        for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids, strict=True)):
+            if s != t:
+                break
+            same += 1
+            worst = max(worst, abs(x.logprobs[i][s] - y.logprobs[i][t]))
+        total += len(y.token_ids)
+    with capsys.disabled():
+        print(f"\na8 vs a32 (tiny Q4_1): {same}/{total} tokens agree before the first "
+              f"difference; max sampled-token log-prob error {worst:.2e}")
+    assert same >= total // 2 and worst < 0.1
+
+
+def test_int8_dense_checkpoint(tiny_model_dir, bundled_tokenizer_dir):
+    llm, q = _run(tiny_model_dir, bundled_tokenizer_dir, quantization="int8")
+    assert llm.engine.quantization == "int8"
+    assert isinstance(llm.engine.runner.model.embed_tokens, QuantEmbedding)
+    del llm
+    _, d = _run(tiny_model_dir, bundled_tokenizer_dir, quantization="none")
+    for x, y in zip(q, d, strict=True):
+        for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids, strict=True)):
+            if s != t:
+                break
+            # NOTE: Q8_0 weights (error <= d/2 = max|w| / 254 per 32) on a 2-layer model
+            assert abs(x.logprobs[i][s] - y.logprobs[i][t]) < 0.05
+
+
+def test_quantization_choices_are_checked(tiny_model_dir, bundled_tokenizer_dir):
+    from ipc.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="quantization_numerics"):
+        EngineConfig(quantization_numerics="a4")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(quantization="gguf", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="needs a .gguf"):
+        LLM(str(tiny_model_dir), tokenizer=str(bundled_tokenizer_dir), quantization="gguf")
+    llm = LLM(str(tiny_model_dir), tokenizer=str(bundled_tokenizer_dir), max_model_len=64,
+              num_gpu_blocks=8)
+    assert llm.engine.quantization == "none"  # auto on a dense checkpoint
+    assert not any(isinstance(m, QuantLinear) for m in llm.engine.runner.model.modules())
+
+
+def test_quant_linear_prefill_path_matches_kernel():
+    """More than PREFILL_ROWS rows take the expand-and-GEMM path: same product."""
+    from engine.models import quant_linear
+    from engine.models.quant_linear import QuantWeight, quantize_q8_0
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(70, 64, generator=gen)
+    q = quantize_q8_0(w)
+    dense = QuantWeight(torch.randn(10, 64, generator=gen), None, 10, 64)
+    layer = QuantLinear([q, dense], torch.randn(80, generator=gen), "a32")
+    x = torch.randn(quant_linear.PREFILL_ROWS + 5, 64, generator=gen)
+    ref = torch.cat([x.double() @ cpu_quant.dequantize_rows(q.data, 8, 64).double().T,
+                     x.double() @ dense.data.double().T], 1) + layer.bias.double()
+    torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(layer(x[:3]).double(), ref[:3], rtol=1e-5, atol=1e-4)

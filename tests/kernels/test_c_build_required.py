@@ -1,0 +1,26 @@
+"""A broken C build fails the C kernels' tests on x86-64 Linux instead of skipping them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import c_build
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(not c_build.REQUIRED, reason="the C build is optional off x86-64 Linux")
+@pytest.mark.parametrize("test", [
+    "tests/kernels/test_cpu_ops.py::test_rope_falls_back_where_the_kernel_does_not_fit",
+    "tests/kernels/test_cpu_backend.py::test_cpu_write_kv_skips_padding",
+])
+def test_a_failing_compiler_fails_the_tests(tmp_path, test):
+    env = {**os.environ, "CC": "false", "PAGEDSERVE_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "the C kernels must build on x86-64 Linux" in done.stdout
