@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_quant_gguf import write_tiny_gguf
 from tiny_llama import build_tiny_llama
+from tiny_quant_gguf import write_tiny_gguf
 
 from engine import LLM, SamplingParams
 from engine.models.quant_linear import QuantEmbedding, QuantLinear
