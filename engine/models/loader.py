@@ -135,7 +135,9 @@ def _gguf_quantized(source: ModelSource, dtype: torch.dtype, device: torch.devic
     quant: dict[str, QuantWeight] = {}
     floats: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = gguf_to_hf_name(t.name)
+        if t.name.startswith("rope_factors_"):
+            continue  # in the config (Phi-3's longrope)
+        name = gguf_to_hf_name(t.name, cfg.architecture)
         rope_heads = _rope_heads(cfg, name)
         if int(t.tensor_type) in cpu_quant.BLOCKS and t.data.ndim == 2:
             blocks = torch.from_numpy(np.array(t.data))  # NOTE: a copy: the memmap is read-only
@@ -150,11 +152,13 @@ def _gguf_quantized(source: ModelSource, dtype: torch.dtype, device: torch.devic
         tensor = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
         if rope_heads:
             tensor = _unpermute_rope(tensor, rope_heads)
+        if cfg.norm_offset and name.endswith("norm.weight"):
+            tensor = tensor - cfg.norm_offset  # NOTE: as _gguf_weights: GGUF stores 1 + w
         floats[name] = tensor
         if tensor.dim() == 2:  # NOTE: a dense part of a layer whose other parts may be blocks
             quant[name] = QuantWeight(tensor, None, *tensor.shape)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     used = install_quantized(model, quant, numerics, floats)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights((n, t) for n, t in floats.items() if n not in used)
