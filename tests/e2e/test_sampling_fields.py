@@ -6,64 +6,28 @@ engine ignores them)."""
 from __future__ import annotations
 
 import functools
-import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e.serve_support import bundled_server
+
 PROMPT = "The history of the printing press begins in"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
     # NOTE: one running request at a time, so that later ones queue and priority decides
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
-         "--max-model-len", "512", "--num-gpu-blocks", "128", "--max-num-seqs", "1",
-         "--shutdown-timeout", "5"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        else:
-            raise TimeoutError("the server never became ready")
+    with bundled_server("--max-model-len", "512", "--num-gpu-blocks", "128",
+                        "--max-num-seqs", "1") as (base, _):
         yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @functools.cache

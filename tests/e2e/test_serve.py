@@ -7,68 +7,32 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import websockets
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e.serve_support import bundled_server, wait_health
+
 MESSAGES = [{"role": "user", "content": "Tell me a long story about a dragon."}]
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_health(url: str, want: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == want:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"/health never answered {want}")
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
-         "--max-model-len", "512", "--num-gpu-blocks", "128", "--max-num-seqs", "8",
-         "--shutdown-timeout", "5"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_health(url, 200, 180)
-        yield url, proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with bundled_server("--max-model-len", "512", "--num-gpu-blocks", "128",
+                        "--max-num-seqs", "8") as running:
+        yield running
 
 
 @pytest.fixture
 def url(server: tuple[str, subprocess.Popen[bytes]]) -> str:
-    _wait_health(server[0], 200, 120)  # NOTE: a previous test may have killed the engine
+    wait_health(server[0], 200, 120)  # NOTE: a previous test may have killed the engine
     return server[0]
 
 
@@ -153,7 +117,8 @@ def test_disconnect_frees_kv(url: str) -> None:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 break
-    deadline = time.monotonic() + 1.0
+    # NOTE: a bounded wait, not a speed check: on a loaded machine one step can take seconds
+    deadline = time.monotonic() + 15.0
     while time.monotonic() < deadline:
         if (_metric(url, "pagedserve_requests_running") == 0
                 and _metric(url, "pagedserve_kv_blocks_free") == total):
@@ -231,7 +196,7 @@ def test_engine_killed_mid_stream(url: str) -> None:
     assert json.loads(rest[-2][6:])["error"]
     assert rest[-1] == "data: [DONE]"
     assert httpx.get(f"{url}/health").status_code == 503
-    _wait_health(url, 200, 120)
+    wait_health(url, 200, 120)
     reply = _client(url).completions.create(model=_model(url), prompt="Hi",
                                             max_tokens=4)
     assert reply.choices[0].text

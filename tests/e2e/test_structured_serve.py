@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
@@ -19,7 +15,7 @@ import pydantic
 import pytest
 import websockets
 
-from tests.e2e.test_serve import ROOT, _free_port, _wait_health
+from tests.e2e.serve_support import bundled_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,25 +47,9 @@ class City(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
-         "--max-model-len", "1024", "--num-gpu-blocks", "256", "--max-num-seqs", "8",
-         "--shutdown-timeout", "5"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_health(base, 200, 180)
+    with bundled_server("--max-model-len", "1024", "--num-gpu-blocks", "256",
+                        "--max-num-seqs", "8") as (base, _):
         yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture
