@@ -99,9 +99,7 @@ def _gguf_dequantized(source: ModelSource) -> tuple[ModelConfig, Iterator]:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    # NOTE: v2: the config grew the model-family fields (windows, norms, soft-caps); a cache
-    # written by an older build lacks them, so it is not read
-    cache = source.cache_dir() / "weights-float32-v2.safetensors"
+    cache = float32_cache(source)
     if not cache.is_file():
         reader = _open_gguf(source.path)
         cfg = gguf_config(reader)
@@ -116,6 +114,14 @@ def _gguf_dequantized(source: ModelSource) -> tuple[ModelConfig, Iterator]:
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
     raw["layer_windows"] = tuple(raw["layer_windows"])  # JSON made the tuples lists
     return ModelConfig(**raw), _safetensors_file(cache)
+
+
+def float32_cache(source: ModelSource) -> Path:
+    """Where a GGUF's dequantized float32 weights are cached (tensor-parallel ranks read it).
+
+    NOTE: v2: the config grew the model-family fields (windows, norms, soft-caps); a cache
+    written by an older build lacks them, so it is not read."""
+    return source.cache_dir() / "weights-float32-v2.safetensors"
 
 
 def _gguf_quantized(source: ModelSource, dtype: torch.dtype, device: torch.device,

@@ -168,10 +168,10 @@ def checkpoint(source: ModelSource) -> tuple[ModelConfig, list[Path]]:
     dequantized once into a cached safetensors file first)."""
     if not source.is_gguf:
         return from_hf_config(source.path), sorted(source.path.glob("*.safetensors"))
-    from engine.models.loader import _gguf_dequantized
+    from engine.models.loader import _gguf_dequantized, float32_cache
 
     cfg, _ = _gguf_dequantized(source)  # NOTE: writes the cache on first use
-    return cfg, [source.cache_dir() / "weights-float32.safetensors"]
+    return cfg, [float32_cache(source)]
 
 
 def _free_port() -> int:

@@ -14,6 +14,7 @@ from tiny_llama import build_tiny_llama
 from tiny_quant_gguf import write_tiny_gguf
 
 from engine import LLM, SamplingParams
+from engine.models.loader import float32_cache
 from engine.models.quant_linear import QuantEmbedding, QuantLinear
 from ipc.model_source import resolve_model
 from kernels import cpu_quant
@@ -51,7 +52,7 @@ def test_gguf_a32_equals_dequantized(type_name, tiny_model_dir, wide_model_dir,
     assert cpu_quant.TYPE_NAMES[max(kinds)] in (type_name, "Q8_0")  # Q8_0: the tied head
     assert isinstance(model.embed_tokens, QuantEmbedding)
     assert not any(p.dim() == 2 for p in model.parameters())  # no float32 expansion
-    float_cache = resolve_model(str(path)).cache_dir() / "weights-float32.safetensors"
+    float_cache = float32_cache(resolve_model(str(path)))
     assert not float_cache.exists()
     del llm
     _, dense = _run(path, bundled_tokenizer_dir, quantization="none")
