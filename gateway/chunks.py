@@ -30,7 +30,7 @@ from gateway.protocol import (
     TopLogprob,
     Usage,
 )
-from gateway.tool_calls import CallEvent
+from gateway.tool_parsers import CallEvent
 from ipc.messages import FINISH_STOP, PositionLogprobs
 
 Chunk = ChatCompletionChunk | Completion
@@ -198,7 +198,7 @@ class ChunkBuilder:
         """The client's finish_reason for choice `index`: a stop after tool calls is
         `tool_calls`."""
         parser = self._tools.get(index)
-        if reason == FINISH_STOP and parser is not None and parser.calls:
+        if reason == FINISH_STOP and parser is not None and parser.named_calls:
             return "tool_calls"
         return reason
 
@@ -270,9 +270,9 @@ def _message(tool_parser: Callable[[], Any] | None, text: str,
     if tool_parser is not None:
         parser = tool_parser()
         events = parser.feed(text, final=True)
-        if parser.calls:
+        if parser.named_calls:
             content = "".join(e.content for e in events if e.index is None).strip()
-            calls = [ToolCall(i, FunctionCall(name, args)) for i, name, args in parser.calls]
+            calls = [ToolCall(i, FunctionCall(name, args)) for i, name, args in parser.named_calls]
             reason = "tool_calls" if finish_reason == FINISH_STOP else finish_reason
             return Message("assistant", content or None, calls), reason
     return Message("assistant", text), finish_reason

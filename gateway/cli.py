@@ -84,8 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off)")
     group.add_argument("--tool-call-parser", default=GatewaySettings.tool_call_parser,
                        choices=PARSERS,
-                       help="how replies are split into content and tool calls; auto and hermes "
-                            "read <tool_call>{...}</tool_call> (default: auto)")
+                       help="how replies are split into content and tool calls: hermes "
+                            "(<tool_call>{...}</tool_call>), llama3_json ({\"name\", "
+                            "\"parameters\"}; ...), mistral ([TOOL_CALLS] [{...}]); auto picks "
+                            "the chat template's format, hermes without a tools branch "
+                            "(default: auto)")
     _add_engine_process_args(serve)
     add_engine_args(serve)
     commands.add_parser("engine", help="run one engine process (python -m engine ...)",

@@ -9,16 +9,20 @@ import asyncio
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from gateway.chunks import TokenNamer
 from gateway.errors import ApiError, unavailable
 from gateway.generation import EngineClientLike, Generation, Job
 from gateway.metrics import Metrics
 from gateway.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, to_sampling
-from gateway.structured import structured_for, tool_choice_of
+from gateway.structured import CallSyntax, structured_for, tool_choice_of
 from gateway.tokenizer import Tokenizer
-from gateway.tool_calls import parser_for, template_messages
+from gateway.tool_calls import PARSERS, detect_parser, parser_for, template_messages
+from gateway.tool_parsers import MISTRAL_TOOL_CALLS, TOOL_CALL_START
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTracer
@@ -43,12 +47,16 @@ class GatewaySettings:
     split_special_tokens: bool = False  # client text's special-token strings stay plain text
     header_timeout: float = 10.0  # seconds to send a request's head (line and headers)
     body_timeout: float = 30.0  # seconds to send a request's whole body, once its head is in
-    tool_call_parser: str = "auto"  # how replies are split into content and tool calls
+    # how replies are split into content and tool calls: auto (from the chat template),
+    # hermes, llama3_json or mistral (gateway/tool_parsers.py)
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         interval = self.sse_keepalive_interval
         if interval is not None and not interval > 0:
             raise ValueError("sse_keepalive_interval must be > 0 (or None: no keep-alive)")
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}")
 
 
 def _engine_exception_types() -> tuple[type[BaseException], ...]:
@@ -70,6 +78,7 @@ class Gateway:
         self.generations: dict[str, Generation] = {}
         self.drain_listeners: list[Callable[[], None]] = []
         self._tokenizers: dict[str, Tokenizer] = {}
+        self._syntax: dict[Path, CallSyntax] = {}  # per tokenizer directory
         self._unavailable = _engine_exception_types()
         self.tracer: RequestTracer | None = None
         if self.settings.otlp_traces_endpoint:
@@ -138,7 +147,8 @@ class Gateway:
         """Validate against the engine, tokenize, and build the Job (raises ApiError)."""
         self.require_ready()
         model = self.check_model(request.model)
-        structured = structured_for(request)
+        syntax = self.call_syntax()
+        structured = structured_for(request, syntax)
         # NOTE: the engine's context, already lowered to what its KV pool holds
         max_model_len = self.client.info.max_model_len  # type: ignore[union-attr]
         prompt_ids = await self._prompt_ids(request, max_model_len, prompt_index)
@@ -156,6 +166,11 @@ class Gateway:
         info = self.client.info
         sampling = to_sampling(request, max_tokens or room, info.max_logprobs,  # type: ignore[union-attr]
                                structured)
+        tool_parser = self._tool_parser(request, syntax)
+        if tool_parser is not None and syntax.special_opening is not None:
+            # NOTE: the parser finds calls by their opening's text, which a special token
+            # only has when special tokens are kept (as vLLM does for Mistral)
+            sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
         self._check_ids(request)
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
         request_id = request_id or request.request_id or f"{prefix}-{uuid.uuid4().hex}"
@@ -173,15 +188,30 @@ class Gateway:
             cache_salt=request.cache_salt,
             echo=self._echo_text(request, prompt_index),
             show_prompt_logprobs=request.prompt_logprobs is not None,
-            tool_parser=self._tool_parser(request),
+            tool_parser=tool_parser,
         )
 
-    def _tool_parser(self, request: AnyRequest):
+    def call_syntax(self) -> CallSyntax:
+        """The tool-call format of `--tool-call-parser` (auto: the chat template's), and its
+        opening as a special token of this tokenizer, if it is one."""
+        tok = self.tokenizer()
+        if tok.directory in self._syntax:
+            return self._syntax[tok.directory]
+        parser = self.settings.tool_call_parser
+        if parser == "auto":
+            parser = detect_parser(tok.template_source, tok.has_tools_branch)
+        opening = {"hermes": TOOL_CALL_START, "mistral": MISTRAL_TOOL_CALLS}.get(parser)
+        special = tok.special_token_id(opening) if opening is not None else None
+        syntax = CallSyntax(parser, f"<[{special}]>" if special is not None else None)
+        self._syntax[tok.directory] = syntax
+        return syntax
+
+    def _tool_parser(self, request: AnyRequest, syntax: CallSyntax) -> type | None:
         if not isinstance(request, ChatCompletionRequest) or not request.tools:
             return None
         if tool_choice_of(request) == "none":
             return None
-        return parser_for(self.settings.tool_call_parser)
+        return parser_for(syntax.parser)
 
     def start(self, job: Job) -> Generation:
         """Admit a Job: overload and engine-down become 503 with Retry-After."""
@@ -251,7 +281,8 @@ class Gateway:
             _check_text_length(chars, max_model_len, tok, "messages")
         tools = None
         if isinstance(request, ChatCompletionRequest):
-            messages, tools = template_messages(request, messages, tok.has_tools_branch)
+            messages, tools = template_messages(request, messages, tok.has_tools_branch,
+                                                self.call_syntax().parser)
         return await _off_loop(chars, tok.apply_chat_template, messages,
                                request.add_generation_prompt, request.continue_final_message,
                                request.chat_template_kwargs, self.settings.split_special_tokens,

@@ -5,22 +5,35 @@ vLLM's `structured_outputs`, or the tools a `tool_choice` of required or a named
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from gateway.errors import ApiError
 from gateway.protocol import AnyRequest, ChatCompletionRequest, NamedToolChoice, Tool
+from gateway.tool_parsers import MISTRAL_TOOL_CALLS, TOOL_CALL_END, TOOL_CALL_START
 from ipc.sampling import StructuredOutputs
 
 # NOTE: llguidance's JSON options for schemas embedded in a Lark grammar, matching the engine's
 # spacing for plain schemas (engine/structured/backend.py json_options).
 _X_GUIDANCE = {"coerce_one_of": True, "item_separator": ", ", "key_separator": ": ",
                "whitespace_flexible": False}
-TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+# NOTE: Mistral's templates write each past call's 9-character id after its arguments
+_MISTRAL_ID = {"id": {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}}
 
 
-def structured_for(request: AnyRequest) -> StructuredOutputs | None:
+@dataclass(frozen=True)
+class CallSyntax:
+    """How the request's tool-call parser writes calls: its name, and the Lark of its opening
+    when the tokenizer has that opening as one special token (`<[id]>`), else None."""
+
+    parser: str = "hermes"
+    special_opening: str | None = None
+
+
+def structured_for(request: AnyRequest, syntax: CallSyntax = CallSyntax()
+                   ) -> StructuredOutputs | None:
     """The grammar the request's output must match, or None; invalid combinations are 400s."""
     found = [s for s in (_from_response_format(request), _from_structured_outputs(request),
-                         _from_tools(request)) if s is not None]
+                         _from_tools(request, syntax)) if s is not None]
     if len(found) > 1:
         raise ApiError(400, f"{found[0].param} and {found[1].param} cannot both constrain "
                        "the output", "invalid_value", found[1].param)
@@ -62,7 +75,7 @@ def _from_structured_outputs(request: AnyRequest) -> StructuredOutputs | None:
         raise ApiError(400, str(exc), "invalid_value", "structured_outputs") from None
 
 
-def _from_tools(request: AnyRequest) -> StructuredOutputs | None:
+def _from_tools(request: AnyRequest, syntax: CallSyntax) -> StructuredOutputs | None:
     if not isinstance(request, ChatCompletionRequest):
         return None
     choice = tool_choice_of(request)
@@ -74,24 +87,81 @@ def _from_tools(request: AnyRequest) -> StructuredOutputs | None:
         if not named:
             raise ApiError(400, f"tool_choice names `{choice.function.name}`, which is not "
                            "in tools", "invalid_value", "tool_choice")
-        return StructuredOutputs(grammar=tool_call_grammar(named, False), param="tools")
+        return StructuredOutputs(grammar=tool_call_grammar(named, False, syntax), param="tools")
     if choice == "required":
-        return StructuredOutputs(grammar=tool_call_grammar(tools, request.parallel_tool_calls),
-                                 param="tools")
-    return None  # auto: the model chooses; its calls are parsed (gateway/tool_parsers.py)
+        return StructuredOutputs(
+            grammar=tool_call_grammar(tools, request.parallel_tool_calls, syntax), param="tools")
+    if choice == "auto" and any(t.function.strict for t in tools):
+        return StructuredOutputs(
+            grammar=auto_tool_grammar(tools, request.parallel_tool_calls, syntax),
+            param="tools")
+    return None  # none, or auto without strict tools: calls are parsed, not constrained
 
 
-def tool_call_grammar(tools: list[Tool], parallel: bool) -> str:
-    """A Lark grammar of Hermes-style calls (`<tool_call>` JSON `</tool_call>`) to these tools,
-    their arguments constrained by each tool's parameters schema."""
+def tool_call_grammar(tools: list[Tool], parallel: bool,
+                      syntax: CallSyntax = CallSyntax()) -> str:
+    """A Lark grammar of one call (or several, `parallel`) to these tools in the parser's
+    format, each call's arguments constrained by its tool's parameters schema."""
+    rules = _call_rules(tools, parallel, syntax, strict_only=False)
+    if syntax.parser == "llama3_json":
+        return f"start: calls\n{rules}"
+    return f"start: {_opening(syntax)} calls\n{rules}"
+
+
+def auto_tool_grammar(tools: list[Tool], parallel: bool,
+                      syntax: CallSyntax = CallSyntax()) -> str:
+    """`tool_choice: auto` with strict tools: any text, or calls; once a call's opening is
+    written the rest of it must match (strict tools' arguments follow their schema, the other
+    tools' arguments are any object).
+
+    NOTE: an opening that is plain text ends a lazy lexeme (llguidance's tool-calling recipe):
+    free text runs until the opening's first appearance, which then commits to a call.
+    Llama 3 JSON has no opening: a reply is calls when it begins with `{`.
+    """
+    # NOTE: Hermes repeats whole calls (`lead calls`), each after its own stretch of text
+    rules = _call_rules(tools, parallel and syntax.parser != "hermes", syntax, strict_only=True)
+    text = "TEXT: /(.|\\n)*/\n"
+    if syntax.parser == "llama3_json":
+        return ("%llguidance {}\nstart: PLAIN | LEAD? calls\n"
+                "PLAIN: /\\s*([^\\s{](.|\\n)*)?/\nLEAD: /\\s+/\n" + rules)
+    if syntax.special_opening is not None:
+        lead = f"lead: TEXT {syntax.special_opening}\n"
+    else:
+        lead = f"lead[lazy]: TEXT {json.dumps(_opening_text(syntax))}\n"
+    start = "start: (lead calls)* TEXT" if parallel else "start: TEXT | lead calls"
+    return f"%llguidance {{}}\n{start}\n{lead}{text}{rules}"
+
+
+def _call_rules(tools: list[Tool], parallel: bool, syntax: CallSyntax,
+                strict_only: bool) -> str:
+    """Lark rules `calls` (what follows the opening) and `body` (one call's JSON)."""
+    key = "parameters" if syntax.parser == "llama3_json" else "arguments"
     bodies = [{"type": "object",
                "properties": {"name": {"const": t.function.name},
-                              "arguments": t.function.parameters or {"type": "object"}},
-               "required": ["name", "arguments"], "additionalProperties": False}
+                              key: _arguments_schema(t, strict_only),
+                              **(_MISTRAL_ID if syntax.parser == "mistral" else {})},
+               "required": ["name", key], "additionalProperties": False}
               for t in tools]
-    schema = {"anyOf": bodies, "x-guidance": _X_GUIDANCE}
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return (f"{start}\n"
-            f'call: "{TOOL_CALL_START}\\n" body "\\n{TOOL_CALL_END}"\n'
-            f"body: %json {json.dumps(schema)}\n")
+    body = f"body: %json {json.dumps({'anyOf': bodies, 'x-guidance': _X_GUIDANCE})}\n"
+    if syntax.parser == "llama3_json":
+        calls = 'calls: body ("; " body)*' if parallel else "calls: body"
+    elif syntax.parser == "mistral":
+        calls = 'calls: " [" body (", " body)* "]"' if parallel else 'calls: " [" body "]"'
+    else:
+        one = f'"\\n" body {json.dumps(chr(10) + TOOL_CALL_END)}'
+        calls = f'calls: {one} ("\\n" {_opening(syntax)} {one})*' if parallel else f"calls: {one}"
+    return f"{calls}\n{body}"
 
+
+def _arguments_schema(tool: Tool, strict_only: bool) -> dict:
+    if strict_only and not tool.function.strict:
+        return {"type": "object"}
+    return tool.function.parameters or {"type": "object"}
+
+
+def _opening_text(syntax: CallSyntax) -> str:
+    return MISTRAL_TOOL_CALLS if syntax.parser == "mistral" else TOOL_CALL_START
+
+
+def _opening(syntax: CallSyntax) -> str:
+    return syntax.special_opening or json.dumps(_opening_text(syntax))

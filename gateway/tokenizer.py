@@ -64,6 +64,7 @@ class Tokenizer:
         source = chat_template or _template_source(directory, config)
         env = _environment()
         self._template = env.from_string(source) if source else None
+        self.template_source = source or None
         # NOTE: a template that reads `tools` renders them itself (e.g. Qwen2.5's Hermes block)
         self.has_tools_branch = bool(source) and "tools" in jinja2.meta.find_undeclared_variables(
             env.parse(source))
@@ -74,6 +75,13 @@ class Tokenizer:
         # NOTE: vocabulary keys are at least as long as the text of their token (byte-level
         # BPE writes each byte as one symbol), so this bounds characters per token from above.
         self.max_token_chars = max(len(k) for k in self._tok.get_vocab(with_added_tokens=True))
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of `text` when it is one special added token (as a template writes it)."""
+        for token_id, added in self._tok.get_added_tokens_decoder().items():
+            if added.content == text and added.special:
+                return token_id
+        return None
 
     @property
     def vocab_size(self) -> int:

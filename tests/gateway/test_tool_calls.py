@@ -15,7 +15,8 @@ from gateway.errors import ApiError
 from gateway.protocol import ChatCompletionRequest, decode_request
 from gateway.structured import structured_for, tool_call_grammar
 from gateway.tokenizer import Tokenizer
-from gateway.tool_calls import HermesParser, template_messages
+from gateway.tool_calls import template_messages
+from gateway.tool_parsers import HermesParser
 
 TOOL = {"type": "function", "function": {
     "name": "lookup", "parameters": {"type": "object", "properties": {
