@@ -180,3 +180,63 @@ async def test_websocket_generate_with_tools_and_a_refused_grammar(url):
     assert deltas[0]["function"]["name"] == "get_weather" and deltas[0]["id"]
     arguments = "".join(d["function"].get("arguments", "") for d in deltas)
     jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+def _past_call(i: int, city: str) -> list[dict]:
+    """A finished weather round in the conversation (its call lacks `unit`)."""
+    call = {"id": f"call_{i}", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+    return [{"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": '{"temp": 20}'},
+            {"role": "assistant", "content": f"It is 20 degrees in {city}."}]
+
+
+def _valid(arguments: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def test_auto_with_a_strict_tool_constrains_the_call_it_starts(client):
+    """The model, copying two past calls that lack `unit`, starts a call on its own
+    (tool_choice auto): unconstrained it leaves `unit` out; with `strict` the grammar takes
+    over once `<tool_call>` is written and the call validates. Text replies stay free."""
+    messages = [*_past_call(1, "Paris"), *_past_call(2, "Oslo"),
+                {"role": "user", "content": "What is the weather in Rome?"}]
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    calls = {}
+    for tool in (WEATHER, strict):
+        reply = client.chat.completions.create(model="", messages=messages, tools=[tool],
+                                               max_tokens=60, temperature=0)
+        assert reply.choices[0].finish_reason == "tool_calls"
+        calls[tool is strict] = reply.choices[0].message.tool_calls
+    assert len(calls[False]) == 1 and not _valid(calls[False][0].function.arguments)
+    assert len(calls[True]) == 1 and _valid(calls[True][0].function.arguments)
+    assert json.loads(calls[True][0].function.arguments)["city"] == "Rome"
+    text = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "Write one sentence about cats."}],
+        tools=[strict], max_tokens=30, temperature=0)
+    assert text.choices[0].message.tool_calls is None
+    assert "cat" in text.choices[0].message.content.lower()
+
+
+def test_n2_with_a_schema_and_with_required_tools(client):
+    reply = client.chat.completions.parse(
+        model="", messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City, n=2, max_tokens=80, temperature=1.0, seed=5)
+    assert [c.index for c in reply.choices] == [0, 1]
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, City)
+        jsonschema.validate(json.loads(choice.message.content), City.model_json_schema())
+    assert reply.choices[0].message.content != reply.choices[1].message.content
+    forced = client.chat.completions.create(
+        model="", messages=ASK, tools=[WEATHER], tool_choice="required", n=2, max_tokens=60,
+        temperature=1.0, seed=3, parallel_tool_calls=False)
+    assert [c.index for c in forced.choices] == [0, 1]
+    for choice in forced.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        _check_call(choice.message.tool_calls[0], WEATHER)
+    assert forced.choices[0].message.tool_calls[0].id != forced.choices[1].message.tool_calls[0].id
