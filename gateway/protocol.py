@@ -93,7 +93,9 @@ class FunctionDefinition(msgspec.Struct):
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema; None: no parameters
-    strict: bool | None = None
+    strict: Annotated[bool, msgspec.Meta(description=(
+        "with tool_choice auto, a call to this tool follows `parameters` once the model "
+        "starts it (grammar-constrained); required and named calls always do"))] | None = None
 
 
 class Tool(msgspec.Struct):

@@ -1,5 +1,6 @@
 """What a request asks the output to look like, as one engine grammar: `response_format`,
-vLLM's `structured_outputs`, or the tools a `tool_choice` of required or a named function forces.
+vLLM's `structured_outputs`, or tool calls in the parser's format (forced by a `tool_choice` of
+required or a named function; constrained once started for strict tools under auto).
 """
 
 from __future__ import annotations

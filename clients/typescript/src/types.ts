@@ -28,6 +28,7 @@ export interface ChatMessageParam {
 
 export interface Tool {
   type: 'function';
+  /** `strict`: with tool_choice 'auto', a call to this tool follows `parameters` (a grammar) once the model starts it; required and named calls always do. */
   function: { name: string; description?: string; parameters?: Record<string, unknown>; strict?: boolean };
 }
 
