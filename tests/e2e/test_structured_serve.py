@@ -1,6 +1,7 @@
 """Structured outputs and tool calls over the real server (gateway + engine, bundled SmolLM2)
 with the official `openai` client: parse() with a pydantic model, json_object, forced and
-streamed tool calls, a tool round trip, and grammars the engine refuses as 400s."""
+streamed tool calls, a tool round trip, strict calls under tool_choice auto, n=2, the
+llama3_json and mistral formats, and grammars the engine refuses as 400s."""
 
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def test_json_object_and_structured_outputs(client):
 
 
 def _check_call(call, tool: dict) -> None:
-    assert call.type == "function" and call.id.startswith("call_")
+    assert call.type == "function"  # ids: call_<hex>, or 9 alphanumerics for Mistral
+    assert call.id.startswith("call_") or (len(call.id) == 9 and call.id.isalnum())
     assert call.function.name == tool["function"]["name"]
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
@@ -200,10 +202,10 @@ def _valid(arguments: str) -> bool:
     return True
 
 
-def test_auto_with_a_strict_tool_constrains_the_call_it_starts(client):
+def _auto_strict_calls(client) -> None:
     """The model, copying two past calls that lack `unit`, starts a call on its own
     (tool_choice auto): unconstrained it leaves `unit` out; with `strict` the grammar takes
-    over once `<tool_call>` is written and the call validates. Text replies stay free."""
+    over once the call's opening is written and the call validates."""
     messages = [*_past_call(1, "Paris"), *_past_call(2, "Oslo"),
                 {"role": "user", "content": "What is the weather in Rome?"}]
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
@@ -216,11 +218,46 @@ def test_auto_with_a_strict_tool_constrains_the_call_it_starts(client):
     assert len(calls[False]) == 1 and not _valid(calls[False][0].function.arguments)
     assert len(calls[True]) == 1 and _valid(calls[True][0].function.arguments)
     assert json.loads(calls[True][0].function.arguments)["city"] == "Rome"
-    text = client.chat.completions.create(
+
+
+def test_auto_with_a_strict_tool_constrains_the_call_it_starts(client):
+    _auto_strict_calls(client)
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    text = client.chat.completions.create(  # text replies stay free
         model="", messages=[{"role": "user", "content": "Write one sentence about cats."}],
         tools=[strict], max_tokens=30, temperature=0)
     assert text.choices[0].message.tool_calls is None
     assert "cat" in text.choices[0].message.content.lower()
+
+
+@pytest.fixture(scope="module", params=["llama3_json", "mistral"])
+def format_client(request) -> Iterator[openai.OpenAI]:
+    """A server whose --tool-call-parser is not Hermes: its fallback prompt, grammars and
+    parser all use that format."""
+    with bundled_server("--max-model-len", "1024", "--num-gpu-blocks", "128",
+                        "--max-num-seqs", "4", "--tool-call-parser", request.param) as (base, _):
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_other_formats_required_named_streamed_and_strict_auto(format_client):
+    forced = format_client.chat.completions.create(
+        model="", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=80, temperature=0)
+    assert forced.choices[0].finish_reason == "tool_calls"
+    call = forced.choices[0].message.tool_calls[0]
+    _check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
+    with format_client.chat.completions.stream(
+            model="", messages=ASK, tools=[WEATHER, TIME], max_tokens=80, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_time"}}) as stream:
+        deltas = [d for e in stream if e.type == "chunk"
+                  for d in (e.chunk.choices[0].delta.tool_calls or [])]
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    _check_call(calls[0], TIME)
+    assert deltas[0].function.name == "get_time" and deltas[0].id == calls[0].id
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    _auto_strict_calls(format_client)
 
 
 def test_n2_with_a_schema_and_with_required_tools(client):

@@ -188,3 +188,19 @@ def test_which_auto_requests_get_a_grammar():
     assert strict.param == "tools" and "[TOOL_CALLS]" in strict.grammar
     assert "lazy" in strict.grammar
     assert structured_for(_request(tools=[WEATHER], tool_choice="none")) is None
+
+
+def test_rollback_inside_a_started_call(tok):
+    """Speculative decoding rolls the matcher back: a lazy grammar (no max_tokens) allows it,
+    and the state after re-consuming equals the state before."""
+    grammar = auto_tool_grammar(_tools(WEATHER), True, CallSyntax("hermes"))
+    text = 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "'
+    ids = tok.tokenize_str(text)
+    m = _matcher(tok, grammar)
+    assert m.consume_tokens(ids)
+    before = np.zeros((1, (VOCAB + 31) // 32), dtype=np.int32)
+    fill_next_token_bitmask(m, before, 0)
+    assert m.rollback(8) and m.consume_tokens(ids[-8:])
+    after = np.zeros_like(before)
+    fill_next_token_bitmask(m, after, 0)
+    assert (before == after).all() and not m.is_error()
