@@ -22,7 +22,7 @@ from gateway.protocol import AnyRequest, ChatCompletionRequest, CompletionReques
 from gateway.structured import CallSyntax, structured_for, tool_choice_of
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calls import PARSERS, detect_parser, parser_for, template_messages
-from gateway.tool_parsers import MISTRAL_TOOL_CALLS, TOOL_CALL_START
+from gateway.tool_parsers import MISTRAL_TOOL_CALLS, TOOL_CALL_END, TOOL_CALL_START
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTracer
@@ -167,7 +167,7 @@ class Gateway:
         sampling = to_sampling(request, max_tokens or room, info.max_logprobs,  # type: ignore[union-attr]
                                structured)
         tool_parser = self._tool_parser(request, syntax)
-        if tool_parser is not None and syntax.special_opening is not None:
+        if tool_parser is not None and (syntax.special_opening or syntax.special_closing):
             # NOTE: the parser finds calls by their opening's text, which a special token
             # only has when special tokens are kept (as vLLM does for Mistral)
             sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
@@ -201,8 +201,8 @@ class Gateway:
         if parser == "auto":
             parser = detect_parser(tok.template_source, tok.has_tools_branch)
         opening = {"hermes": TOOL_CALL_START, "mistral": MISTRAL_TOOL_CALLS}.get(parser)
-        special = tok.special_token_id(opening) if opening is not None else None
-        syntax = CallSyntax(parser, f"<[{special}]>" if special is not None else None)
+        closing = TOOL_CALL_END if parser == "hermes" else None
+        syntax = CallSyntax(parser, _special(tok, opening), _special(tok, closing))
         self._syntax[tok.directory] = syntax
         return syntax
 
@@ -363,6 +363,12 @@ def _max_tokens_param(request: AnyRequest) -> str:
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         return "max_completion_tokens"
     return "max_tokens"
+
+
+def _special(tok: Tokenizer, text: str | None) -> str | None:
+    """Lark for `text` as one special token of `tok` (`<[id]>`), or None."""
+    token_id = tok.special_token_id(text) if text is not None else None
+    return f"<[{token_id}]>" if token_id is not None else None
 
 
 def _message_dict(index: int, message: Any) -> dict[str, Any]:

@@ -24,10 +24,12 @@ _MISTRAL_ID = {"id": {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}}
 @dataclass(frozen=True)
 class CallSyntax:
     """How the request's tool-call parser writes calls: its name, and the Lark of its opening
-    when the tokenizer has that opening as one special token (`<[id]>`), else None."""
+    (and Hermes' closing tag) when the tokenizer has it as one special token (`<[id]>`), else
+    None: the literal text."""
 
     parser: str = "hermes"
     special_opening: str | None = None
+    special_closing: str | None = None
 
 
 def structured_for(request: AnyRequest, syntax: CallSyntax = CallSyntax()
@@ -149,7 +151,9 @@ def _call_rules(tools: list[Tool], parallel: bool, syntax: CallSyntax,
     elif syntax.parser == "mistral":
         calls = 'calls: " [" body (", " body)* "]"' if parallel else 'calls: " [" body "]"'
     else:
-        one = f'"\\n" body {json.dumps(chr(10) + TOOL_CALL_END)}'
+        close = (f'"\\n" {syntax.special_closing}' if syntax.special_closing
+                 else json.dumps(f"\n{TOOL_CALL_END}"))
+        one = f'"\\n" body {close}'
         calls = f'calls: {one} ("\\n" {_opening(syntax)} {one})*' if parallel else f"calls: {one}"
     return f"{calls}\n{body}"
 

@@ -153,15 +153,34 @@ def test_two_calls_each_constrained(tok):
     _check(calls)
 
 
+def _with_special(bundled_tokenizer_dir, path, *texts: str) -> llguidance.LLTokenizer:
+    """The bundled tokenizer with `texts` added as special tokens (ids VOCAB, VOCAB + 1...)."""
+    spec = json.loads((bundled_tokenizer_dir / "tokenizer.json").read_text())
+    for i, text in enumerate(texts):
+        spec["added_tokens"].append({"id": VOCAB + i, "content": text, "single_word": False,
+                                     "lstrip": False, "rstrip": False, "normalized": False,
+                                     "special": True})
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return build_lltokenizer(path, VOCAB + len(texts), [EOS])
+
+
+def test_special_token_tags_of_hermes(bundled_tokenizer_dir, tmp_path):
+    tok = _with_special(bundled_tokenizer_dir, tmp_path, "<tool_call>", "</tool_call>")
+    syntax = CallSyntax("hermes", f"<[{VOCAB}]>", f"<[{VOCAB + 1}]>")
+    body = tok.tokenize_str('\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n')
+    for grammar in (tool_call_grammar(_tools(TIME), True, syntax),
+                    auto_tool_grammar(_tools(TIME), True, syntax)):
+        m = _matcher(tok, grammar)
+        assert m.consume_tokens([VOCAB, *body, VOCAB + 1]) and m.is_accepting()
+        m = _matcher(tok, grammar)  # the closing tag as plain text does not close the call
+        ids = [VOCAB, *body, *tok.tokenize_str("</") + tok.tokenize_str("tool_call>")]
+        assert m.try_consume_tokens(ids) < len(ids)
+
+
 def test_a_special_token_opening(bundled_tokenizer_dir, tmp_path):
     """Mistral's [TOOL_CALLS] is one special token: the grammar names it by id (`<[id]>`), and
     its text (kept, as special tokens are for this parser) opens the call."""
-    spec = json.loads((bundled_tokenizer_dir / "tokenizer.json").read_text())
-    spec["added_tokens"].append({"id": VOCAB, "content": "[TOOL_CALLS]", "single_word": False,
-                                 "lstrip": False, "rstrip": False, "normalized": False,
-                                 "special": True})
-    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    tok = build_lltokenizer(tmp_path, VOCAB + 1, [EOS])
+    tok = _with_special(bundled_tokenizer_dir, tmp_path, "[TOOL_CALLS]")
     grammar = auto_tool_grammar(_tools(WEATHER), False, CallSyntax("mistral", f"<[{VOCAB}]>"))
     m = _matcher(tok, grammar)
     assert m.consume_tokens(tok.tokenize_str("Hi ")) and m.consume_token(VOCAB)
