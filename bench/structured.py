@@ -3,6 +3,11 @@ against the same steps without a grammar, and the latency of a new schema (compi
 a cached one. Both arms run in the same invocation on the same machine.
 
     python -m bench.structured [--model PATH] [--batches 1 8 64] [--steps 16] [--rounds 2]
+                               [--grammar json|tools-auto]
+
+`--grammar tools-auto`: the grammar of tool_choice auto with a strict tool (Hermes format)
+instead of the schema; the model writes free text, the phase where a lazy lexeme watches for
+`<tool_call>` at every step.
 """
 
 from __future__ import annotations
@@ -36,9 +41,22 @@ def _prompt(core, i: int) -> list[int]:
     return tok(text)["input_ids"]
 
 
-def step_times(core, batch: int, steps: int, grammar: bool, tag: str) -> list[float]:
+def grammar_spec(kind: str) -> StructuredOutputs:
+    if kind == "json":
+        return StructuredOutputs(json=json.dumps(SCHEMA))
+    import msgspec
+
+    from gateway.protocol import Tool
+    from gateway.structured import auto_tool_grammar
+
+    tool = msgspec.convert({"type": "function", "function": {
+        "name": "record", "strict": True, "parameters": SCHEMA["items"]}}, type=Tool)
+    return StructuredOutputs(grammar=auto_tool_grammar([tool], True), param="tools")
+
+
+def step_times(core, batch: int, steps: int, so: StructuredOutputs | None,
+               tag: str) -> list[float]:
     """Seconds of each decode step with `batch` running requests (prefill not counted)."""
-    so = StructuredOutputs(json=json.dumps(SCHEMA)) if grammar else None
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True,
                             structured_outputs=so)
     for i in range(batch):
@@ -72,20 +90,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--grammar", choices=["json", "tools-auto"], default="json")
     args = parser.parse_args(argv)
+    spec = grammar_spec(args.grammar)
 
     from engine.core import EngineCore
     from ipc.config import EngineConfig
 
     core = EngineCore(EngineConfig(model=args.model, max_model_len=512, num_gpu_blocks=2048,
                                    max_num_seqs=max(args.batches), enable_prefix_caching=False))
-    step_times(core, 2, 2, True, "warm")
+    step_times(core, 2, 2, spec, "warm")
     results: dict = {"steps": {}, "compile": {}}
     for batch in args.batches:
         plain, masked = [], []
         for r in range(args.rounds):  # NOTE: interleaved, so drift hits both arms alike
-            plain += step_times(core, batch, args.steps, False, f"p{batch}-{r}")
-            masked += step_times(core, batch, args.steps, True, f"g{batch}-{r}")
+            plain += step_times(core, batch, args.steps, None, f"p{batch}-{r}")
+            masked += step_times(core, batch, args.steps, spec, f"g{batch}-{r}")
         p, g = statistics.median(plain), statistics.median(masked)
         results["steps"][batch] = {"plain_ms": 1e3 * p, "grammar_ms": 1e3 * g,
                                    "added": g / p - 1}
