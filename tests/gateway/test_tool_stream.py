@@ -55,6 +55,9 @@ async def test_streamed_calls_reassemble(tokenizer_dir: Path, parser: str) -> No
         assert json.loads(call.function.arguments) == ARGS
         assert (choice.message.content or "").strip() == ("Sure." if parser == "mistral" else "")
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    # NOTE: some tokens of the reply hold half a character; no fragment may carry one
+    assert any(engine.tokenizer.decode([t]).endswith("\ufffd") for t in engine.reply_ids)
+    assert not any("\ufffd" in (d.function.arguments or "") for d in deltas)
     first, rest = deltas[0], deltas[1:]
     assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
     assert first.id == final.choices[0].message.tool_calls[0].id and rest
