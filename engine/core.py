@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from engine.allocator import tune_malloc
+from engine.devices import resolve_device, resolve_dtype
 from engine.kv_manager import KVCacheManager
 from engine.models.config import ModelConfig
 from engine.models.cpu_linear import pack_linears, resolve_mode
@@ -29,7 +30,6 @@ from ipc.messages import AddRequest, EngineStats, TokenDelta
 from ipc.model_source import resolve_model
 from kernels import auto_backend, get_backend
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # auto: the model's dtype
 # NOTE: a pool smaller than this cannot hold a useful request: refuse to start.
 _MIN_CONTEXT_TOKENS = 16
@@ -43,8 +43,8 @@ class EngineCore:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.device = _device(config.device)
-        self.dtype = _dtype(config.dtype, self.device)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = _KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         source = resolve_model(config.model, config.served_model_name)
         self.model_name = source.name
@@ -308,19 +308,6 @@ def _load_model(config: EngineConfig, source, dtype: torch.dtype, device: torch.
     from engine.parallel.driver import launch  # NOTE: lazy: spawns the worker processes
 
     return launch(config, source, dtype, device)
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # NOTE: the CPU here has no bf16 matrix units: float32 is the fast dtype on CPU.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 def _fit_context(max_model_len: int, num_blocks: int, block_size: int, full_blocks: int) -> int:

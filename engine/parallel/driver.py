@@ -1,5 +1,5 @@
 """The engine process's side of tensor parallelism: rank 0 runs in-process and stands in for
-the model in the runner; each of its calls is first written to the ring for ranks 1..N-1.
+the model in the runner; each of its calls is first sent on the channel to ranks 1..N-1.
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -19,25 +18,24 @@ import torch.distributed as dist
 from engine.forward_context import get_forward_context
 from engine.models.config import ModelConfig, from_hf_config
 from engine.parallel import wire
+from engine.parallel.group import Channel, Topology, join
 from engine.parallel.layers import TensorParallelLlama
-from engine.parallel.shm_ring import ShmRing
-from engine.parallel.worker import WorkerArgs, build_shard, init_distributed, worker_main
+from engine.parallel.worker import WorkerArgs, build_shard, start_workers
 from ipc import exit_codes
 from ipc.config import EngineConfig
 from ipc.model_source import ModelSource
 
 log = logging.getLogger("engine.parallel.driver")
-_RING_BYTES = 1 << 26  # 64 MiB: a 2048-token step's inputs are well under 1 MiB
 _DEATH_GRACE_S = 10.0  # after a worker dies: time for the step to fail by itself
 
 
 class TensorParallelModel:
     """Rank 0's shard behind LlamaForCausalLM's interface, as the ModelRunner uses it."""
 
-    def __init__(self, model: TensorParallelLlama, ring: ShmRing,
+    def __init__(self, model: TensorParallelLlama, channel: Channel,
                  procs: list[mp.process.BaseProcess], backend: str) -> None:
         self.model, self.cfg = model, model.cfg  # NOTE: cfg is the shard's: KV cache per rank
-        self._ring, self._procs, self._backend = ring, procs, backend
+        self._channel, self._procs, self._backend = channel, procs, backend
         self._stopping = False
         threading.Thread(target=self._watch_workers, name="tp-watchdog", daemon=True).start()
 
@@ -74,22 +72,21 @@ class TensorParallelModel:
         if self._stopping:
             return
         self._stopping = True
-        try:
-            self._send("stop", timeout=2.0)
-        except RuntimeError as exc:
-            log.warning("could not stop the workers cleanly: %s", exc)
+        if self._workers_alive():
+            try:
+                self._send("stop")
+            except RuntimeError as exc:  # NOTE: a rank on another node may be gone
+                log.warning("could not stop the workers cleanly: %s", exc)
         for proc in self._procs:
             proc.join(timeout=5.0)
             if proc.is_alive():
                 proc.kill()
-        self._ring.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def _send(self, op: str, fields: dict | None = None,
-              tensors: dict[str, torch.Tensor] | None = None, timeout: float | None = None):
-        self._ring.write(wire.encode(op, fields or {}, tensors or {}), self._workers_alive,
-                         timeout)
+              tensors: dict[str, torch.Tensor] | None = None) -> None:
+        self._channel.send(wire.encode(op, fields or {}, tensors or {}))
 
     def _workers_alive(self) -> bool:
         return all(p.exitcode is None for p in self._procs)
@@ -115,41 +112,35 @@ TP_ARCHITECTURES = {"llama", "smollm", "mistral", "qwen2", "qwen3"}
 
 def launch(config: EngineConfig, source: ModelSource, dtype: torch.dtype,
            device: torch.device) -> tuple[TensorParallelModel, ModelConfig]:
-    """Start ranks 1..N-1, join the process group as rank 0, load rank 0's shard."""
-    size = config.tensor_parallel_size
+    """Start this node's ranks 1..k-1, join the group as rank 0 (with the ranks of every other
+    node, started by `serve --headless`), load rank 0's shard."""
+    if config.node_rank != 0:
+        raise ValueError("node_rank: the engine (the scheduler and rank 0) runs on node 0; "
+                         "run the other nodes with `pagedserve serve --headless`")
     cfg, files = checkpoint(source)
-    if cfg.architecture not in TP_ARCHITECTURES:
-        raise ValueError(f"tensor_parallel_size > 1 covers {sorted(TP_ARCHITECTURES)}; the "
-                         f"model is {cfg.architecture!r}")
-    ring = ShmRing(size - 1, _RING_BYTES, create=True)
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    ctx = mp.get_context("spawn")
-    procs = []
-    for rank in range(1, size):
-        args = WorkerArgs(rank, size, init_method, ring.name, cfg, files, dtype, device.type,
-                          config.num_threads, os.getpid())
-        proc = ctx.Process(target=worker_main, args=(args,), name=f"tp-worker{rank}", daemon=True)
-        proc.start()
-        procs.append(proc)
-    _join_group(size, init_method, device, procs)
-    model = TensorParallelModel(build_shard(cfg, 0, size, files, dtype, device), ring, procs,
-                                config.attention_backend)
+    topology = Topology.from_config(config)
+    args = WorkerArgs(topology, cfg, files, dtype, device.type, config.num_threads)
+    procs = start_workers(args, topology.local_ranks[1:])
+    channel = _join_group(topology, device, procs)
+    model = TensorParallelModel(build_shard(cfg, 0, topology.size, files, dtype, device),
+                                channel, procs, config.attention_backend)
     atexit.register(model.shutdown)
     return model, cfg
 
 
-def _join_group(size: int, init_method: str, device: torch.device,
-                procs: list[mp.process.BaseProcess]) -> None:
-    """init_process_group as rank 0, failing fast if a worker dies before it joins."""
+def _join_group(topology: Topology, device: torch.device,
+                procs: list[mp.process.BaseProcess]) -> Channel:
+    """Join as rank 0, failing fast if a local worker dies before it joins."""
+    joined: list[Channel] = []
     errors: list[BaseException] = []
 
-    def join() -> None:
+    def run() -> None:
         try:
-            init_distributed(0, size, init_method, device)
+            joined.append(join(topology, 0, device))
         except BaseException as exc:  # NOTE: handed to the caller's thread below
             errors.append(exc)
 
-    thread = threading.Thread(target=join, name="tp-rendezvous", daemon=True)
+    thread = threading.Thread(target=run, name="tp-rendezvous", daemon=True)
     thread.start()
     while thread.is_alive():
         thread.join(timeout=0.2)
@@ -161,20 +152,20 @@ def _join_group(size: int, init_method: str, device: torch.device,
                                f"{dead[0].exitcode} during startup")
     if errors:
         raise errors[0]
+    return joined[0]
 
 
 def checkpoint(source: ModelSource) -> tuple[ModelConfig, list[Path]]:
     """The config and the safetensors files each rank reads its shard from (a GGUF is
-    dequantized once into a cached safetensors file first)."""
-    if not source.is_gguf:
-        return from_hf_config(source.path), sorted(source.path.glob("*.safetensors"))
-    from engine.models.loader import _gguf_dequantized, float32_cache
+    dequantized once into a cached safetensors file first, on each node)."""
+    if source.is_gguf:
+        from engine.models.loader import _gguf_dequantized, float32_cache
 
-    cfg, _ = _gguf_dequantized(source)  # NOTE: writes the cache on first use
-    return cfg, [float32_cache(source)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        cfg, _ = _gguf_dequantized(source)  # NOTE: writes the cache on first use
+        files = [float32_cache(source)]
+    else:
+        cfg, files = from_hf_config(source.path), sorted(source.path.glob("*.safetensors"))
+    if cfg.architecture not in TP_ARCHITECTURES:
+        raise ValueError(f"tensor_parallel_size > 1 covers {sorted(TP_ARCHITECTURES)}; the "
+                         f"model is {cfg.architecture!r}")
+    return cfg, files

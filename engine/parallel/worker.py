@@ -1,13 +1,12 @@
-"""A tensor-parallel worker process (ranks 1..N-1): loads its shard, then replays every op the
-driver writes to the ring (forward, logits, block copies) on its own KV cache shard.
+"""A tensor-parallel worker process (every rank but 0): loads its shard, then replays every op
+the driver sends on the channel (forward, logits, block copies) on its own KV cache shard.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-from datetime import timedelta
+import multiprocessing as mp
 from pathlib import Path
 
 import torch
@@ -17,31 +16,34 @@ from engine.allocator import tune_malloc
 from engine.forward_context import ForwardContext, forward_context
 from engine.models.config import ModelConfig
 from engine.parallel import wire
+from engine.parallel.group import Channel, Topology, join
 from engine.parallel.layers import TensorParallelLlama, load_shard, shard_plan
-from engine.parallel.shm_ring import RingClosedError, ShmRing
 
 log = logging.getLogger("engine.parallel.worker")
-INIT_TIMEOUT = timedelta(seconds=120)
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkerArgs:
-    rank: int
-    size: int
-    init_method: str  # tcp://127.0.0.1:port of the driver's rendezvous
-    ring_name: str
+    """What every worker of one engine shares (its rank is passed beside)."""
+
+    topology: Topology
     cfg: ModelConfig
     files: list[Path]
     dtype: torch.dtype
-    device: str
+    device: str  # the device type: cuda (one device per local rank) or cpu
     num_threads: int | None
-    parent_pid: int
 
 
-def init_distributed(rank: int, size: int, init_method: str, device: torch.device) -> None:
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=INIT_TIMEOUT)
+def start_workers(args: WorkerArgs, ranks: range) -> list[mp.process.BaseProcess]:
+    """Spawn one process per rank (spawn, not fork: CUDA and gloo do not survive a fork)."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in ranks:
+        proc = ctx.Process(target=worker_main, args=(args, rank), name=f"tp-worker{rank}",
+                           daemon=True)
+        proc.start()
+        procs.append(proc)
+    return procs
 
 
 def build_shard(cfg: ModelConfig, rank: int, size: int, files: list[Path], dtype: torch.dtype,
@@ -53,39 +55,34 @@ def build_shard(cfg: ModelConfig, rank: int, size: int, files: list[Path], dtype
     return model.eval().requires_grad_(False)
 
 
-def worker_main(args: WorkerArgs) -> None:
+def worker_main(args: WorkerArgs, rank: int) -> None:
     logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s tp-worker{args.rank}[%(process)d] %(message)s")
+                        format=f"%(asctime)s tp-worker{rank}[%(process)d] %(message)s")
     torch.set_num_threads(args.num_threads or 1)
-    device = torch.device(args.device)
+    device = args.topology.device(rank, args.device)
     if device.type == "cuda":
-        device = torch.device("cuda", args.rank)
         torch.cuda.set_device(device)
-    init_distributed(args.rank, args.size, args.init_method, device)
-    model = build_shard(args.cfg, args.rank, args.size, args.files, args.dtype, device)
+    channel = join(args.topology, rank, device)
+    model = build_shard(args.cfg, rank, args.topology.size, args.files, args.dtype, device)
     if device.type == "cpu":
         tune_malloc()
-    ring = ShmRing(args.size - 1, name=args.ring_name)
     try:
-        _serve(model, ring, args, device)
-    except RingClosedError:
-        log.info("the driver is gone; exiting")
+        _serve(model, channel, device)
+    except RuntimeError as exc:  # NOTE: gloo raises once rank 0's sockets are closed
+        log.info("the driver is gone (%s); exiting", exc)
+        raise SystemExit(1) from exc
     finally:
-        ring.close()
+        dist.destroy_process_group()
 
 
 @torch.inference_mode()
-def _serve(model: TensorParallelLlama, ring: ShmRing, args: WorkerArgs,
-           device: torch.device) -> None:
+def _serve(model: TensorParallelLlama, channel: Channel, device: torch.device) -> None:
     from engine.runner import ModelRunner
     from kernels import get_backend
 
-    def alive() -> bool:
-        return os.getppid() == args.parent_pid
-
     runner: ModelRunner | None = None
     while True:
-        op, fields, tensors = wire.decode(ring.read(args.rank - 1, alive), device)
+        op, fields, tensors = wire.decode(channel.recv(), device)
         if op == "init":
             runner = ModelRunner(
                 model, fields["num_blocks"], fields["block_size"], fields["max_model_len"],
