@@ -22,6 +22,7 @@ from engine.parallel import wire
 from engine.parallel.layers import TensorParallelLlama
 from engine.parallel.shm_ring import ShmRing
 from engine.parallel.worker import WorkerArgs, build_shard, init_distributed, worker_main
+from engine.step_plan import BlockCopy
 from ipc import exit_codes
 from ipc.config import EngineConfig
 from ipc.model_source import ModelSource
@@ -67,8 +68,8 @@ class TensorParallelModel:
         self._send("logits", {}, {"hidden": hidden})
         return self.model.compute_logits(hidden)
 
-    def copy_blocks(self, copies: list[tuple[str, int, int]]) -> None:
-        self._send("copy", {"copies": [list(c) for c in copies]})
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        self._send("copy", {"copies": [[int(c.kind), c.src, c.dst] for c in copies]})
 
     def shutdown(self) -> None:
         if self._stopping:

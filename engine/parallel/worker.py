@@ -19,6 +19,7 @@ from engine.models.config import ModelConfig
 from engine.parallel import wire
 from engine.parallel.layers import TensorParallelLlama, load_shard, shard_plan
 from engine.parallel.shm_ring import RingClosedError, ShmRing
+from engine.step_plan import BlockCopy, CopyKind
 
 log = logging.getLogger("engine.parallel.worker")
 INIT_TIMEOUT = timedelta(seconds=120)
@@ -101,7 +102,8 @@ def _serve(model: TensorParallelLlama, ring: ShmRing, args: WorkerArgs,
             model.compute_logits(tensors["hidden"])
         elif op == "copy":
             assert runner is not None, "init first"
-            runner._copy_blocks([tuple(c) for c in fields["copies"]])
+            runner._copy_blocks([BlockCopy(CopyKind(k), src, dst)
+                                 for k, src, dst in fields["copies"]])
         elif op == "stop":
             return
         else:

@@ -11,8 +11,8 @@ import pytest
 from engine.kv_manager import KVCacheManager
 from engine.preemption import PreemptionCost
 from engine.request import Request
-from engine.sampler import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.step_plan import BlockCopy, CopyKind, RunnerOutput, Sampled, decode_first
 from ipc.messages import TokenDelta
 from ipc.sampling import SamplingParams
 
@@ -41,15 +41,22 @@ class FakeRunner:
 
     def step(self, s: Scheduler):
         out = s.schedule()
-        if not out.sampling:
-            return out, s.update(out, None)
-        tokens = [self.script[r.request_id].pop(0) if self.script.get(r.request_id) else TOKEN
-                  for r in out.sampling]
-        return out, s.update(out, SamplerOutput(tokens, [None] * len(tokens)))
+        sampled = {r.key: Sampled(self.script[r.key].pop(0) if self.script.get(r.key) else TOKEN,
+                                  [], None) for r in out.sampling}
+        return out, s.update(out, RunnerOutput(sampled))
 
 
 def counts(out) -> list[tuple[str, int]]:
-    return [(r.request_id, n) for r, n in out.scheduled]
+    """(key, tokens) in the runner's batch order (decodes first)."""
+    return [(key, out.num_scheduled_tokens[key]) for key in decode_first(out)]
+
+
+def gpu_to_cpu(src: int, dst: int) -> BlockCopy:
+    return BlockCopy(CopyKind.GPU_TO_CPU, src, dst)
+
+
+def cpu_to_gpu(src: int, dst: int) -> BlockCopy:
+    return BlockCopy(CopyKind.CPU_TO_GPU, src, dst)
 
 
 def test_chunked_prefill_splits_then_decodes_with_exact_blocks():
@@ -59,7 +66,7 @@ def test_chunked_prefill_splits_then_decodes_with_exact_blocks():
     plan = []
     for _ in range(5):
         out, deltas = run.step(s)
-        plan.append((counts(out), list(a.block_ids), [d.finish_reason for d in deltas]))
+        plan.append((counts(out), s.kv.block_ids("a"), [d.finish_reason for d in deltas]))
     assert plan == [
         ([("a", 4)], [0], []),  # prompt chunk 1 of 3: nothing sampled
         ([("a", 4)], [0, 1], []),
@@ -110,12 +117,13 @@ def test_swap_preempts_the_newest_and_resumes_it_before_new_admissions():
     s.add(b)
     out, _ = run.step(s)
     assert counts(out) == [("a", 8), ("b", 7)]
-    assert (a.block_ids, b.block_ids) == ([0, 1], [2, 3])
+    assert (s.kv.block_ids("a"), s.kv.block_ids("b")) == ([0, 1], [2, 3])
     # a's 9th token needs a third block: the newest request, b, is swapped out to make room
     out, _ = run.step(s)
-    assert counts(out) == [("a", 1)] and [r.request_id for r in out.preempted] == ["b"]
-    assert out.block_copies == [("gpu_to_cpu", 2, 0), ("gpu_to_cpu", 3, 1)]
-    assert (a.block_ids, b.cpu_block_ids, b.block_ids) == ([0, 1, 3], [0, 1], [])
+    assert counts(out) == [("a", 1)] and out.preempted_keys == ["b"]
+    assert out.block_copies == [gpu_to_cpu(2, 0), gpu_to_cpu(3, 1)]
+    tables = s.kv.block_ids("a"), s.kv.cpu_block_ids("b"), s.kv.block_ids("b")
+    assert tables == ([0, 1, 3], [0, 1], [])
     assert s.preemptions.swap == 1 and s.preemptions.recompute == 0
     c = request("c", 4, max_tokens=2)
     s.add(c)
@@ -124,8 +132,9 @@ def test_swap_preempts_the_newest_and_resumes_it_before_new_admissions():
     assert s.kv.pool.free_ids() == [2, 3, 1, 0]
     out, _ = run.step(s)
     assert counts(out) == [("b", 1), ("c", 4)]  # b first, then c is admitted
-    assert out.block_copies == [("cpu_to_gpu", 0, 2), ("cpu_to_gpu", 1, 3)]
-    assert (b.block_ids, b.cpu_block_ids, c.block_ids) == ([2, 3], [], [1])
+    assert out.block_copies == [cpu_to_gpu(0, 2), cpu_to_gpu(1, 3)]
+    tables = s.kv.block_ids("b"), s.kv.cpu_block_ids("b"), s.kv.block_ids("c")
+    assert tables == ([2, 3], [], [1])
 
 
 def test_recompute_preemption_recomputes_prompt_and_output():
@@ -135,8 +144,8 @@ def test_recompute_preemption_recomputes_prompt_and_output():
     s.add(b)
     run.step(s)
     out, _ = run.step(s)
-    assert [r.request_id for r in out.preempted] == ["b"] and out.block_copies == []
-    assert b.num_computed_tokens == 0 and b.block_ids == [] and s.num_waiting == 1
+    assert out.preempted_keys == ["b"] and out.block_copies == []
+    assert b.num_computed_tokens == 0 and s.kv.block_ids("b") == [] and s.num_waiting == 1
     assert s.preemptions.recompute == 1 and s.preemptions.swap == 0
     run.step(s)  # a finishes
     out, deltas = run.step(s)
@@ -154,7 +163,7 @@ def test_priority_picks_the_victim_and_the_admission_order():
     assert counts(out) == [("high", 7), ("low", 8)]  # lower value first
     out, _ = run.step(s)
     # low needs a third block for its 9th token: it is itself the lowest priority
-    assert [r.request_id for r in out.preempted] == ["low"] and counts(out) == [("high", 1)]
+    assert out.preempted_keys == ["low"] and counts(out) == [("high", 1)]
 
 
 def test_eos_and_stop_token_ids_finish_and_min_tokens_holds_them():
@@ -215,7 +224,7 @@ def test_abort_is_idempotent_and_frees_blocks_now():
     a = request("a", 6, max_tokens=8)
     s.add(a)
     run.step(s)
-    assert a.block_ids == [0, 1]
+    assert s.kv.block_ids("a") == [0, 1]
     (delta,) = s.abort(["a"])
     assert delta.finish_reason == "abort" and s.kv.num_free_blocks == 8
     assert s.abort(["a"]) == [] and s.abort(["unknown"]) == []
