@@ -56,7 +56,10 @@ class NewRequest(msgspec.Struct, frozen=True):
 
 
 class CachedRequest(msgspec.Struct, frozen=True):
-    """What changed for a choice the runner already holds, since it was last in a plan."""
+    """What changed for a choice the runner already holds, since it was last in a plan.
+
+    A choice resumed after preemption (swapped back in, or readmitted to be recomputed) keeps
+    its row (tokens, generator); its table comes back as a rewrite from 0."""
 
     key: str
     tokens: Diff | None  # its token ids (None: unchanged); a beam fork rewrites them
