@@ -23,6 +23,7 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig, SpecConfig
+from engine.step_plan import choice_key
 from engine.structured.compiler import GrammarCompiler
 from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig
@@ -79,7 +80,8 @@ class EngineCore:
                                     config.preemption_mode)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            _spec_config(config, self.model_config.num_layers)),
+                            _spec_config(config, self.model_config.num_layers),
+                            self.model_config.vocab_size),
             self.kv,
             self.eos_token_ids,
             preemption,
@@ -132,15 +134,22 @@ class EngineCore:
 
     def step(self) -> list[TokenDelta]:
         deltas = self.scheduler.admit_compiled()
-        out = self.scheduler.schedule()
-        if out.empty and not out.block_copies:
-            if not deltas:  # NOTE: only grammars compiling: wait for one instead of spinning
+        plan = self.scheduler.schedule()
+        if plan.empty and not plan.block_copies:
+            if plan.finished_keys:
+                self.runner.execute(plan)  # NOTE: nothing to run; the runner drops the rows
+            elif not deltas:  # NOTE: only grammars compiling: wait for one, not spinning
                 self.scheduler.wait_for_grammar(_GRAMMAR_POLL_S)
             return deltas
         self.step_count += 1
-        sampled = self.runner.execute(out)
-        self._count(out)
-        return deltas + self.scheduler.update(out, sampled)
+        if plan.self_drafts:
+            # NOTE: two phases in one step: the runner's draft proposes, the scheduler turns
+            # the proposals into the plan's drafts (and grammar masks), the target verifies
+            self.scheduler.attach_drafts(plan, self.runner.propose(plan))
+        output = self.runner.execute(plan)
+        self._prompt_tokens += self.scheduler.num_prompt_tokens_in(plan)
+        self._generation_tokens += len(plan.sampling)
+        return deltas + self.scheduler.update(plan, output)
 
     def cached_block_hashes(self) -> list[bytes]:
         """Hashes of the blocks in the prefix cache (reported to the gateway for routing)."""
@@ -213,14 +222,10 @@ class EngineCore:
         pack_linears(model, mode)
         return mode
 
-    def _count(self, out) -> None:
-        for req, n in out.scheduled:
-            self._prompt_tokens += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
-        self._generation_tokens += len(out.sampling)
-
     def _validate(self, msg: AddRequest) -> Request:
         prompt, s = msg.prompt_token_ids, msg.sampling
-        if msg.request_id in self.scheduler.groups:
+        keys = [choice_key(msg.request_id, i) for i in range(s.num_choices)]
+        if msg.request_id in self.scheduler.groups or any(map(self.scheduler.is_live, keys)):
             raise ValueError(f"request_id {msg.request_id!r} is already in use")
         if not prompt:
             raise ValueError("prompt must not be empty")
@@ -255,20 +260,13 @@ class EngineCore:
             raise ValueError(f"logit_bias token ids must be < {vocab}")
         choices = [
             Request(msg.request_id, list(prompt), s, max_tokens, msg.priority,
-                    msg.arrival_time or time.time(), self._generator(s.seed, i),
-                    (msg.cache_salt or "").encode(), index=i)
+                    msg.arrival_time or time.time(), (msg.cache_salt or "").encode(), index=i)
             for i in range(s.num_choices)
         ]
         choices[0].children = choices[1:]
         if s.structured_outputs is not None:
             choices[0].pending_grammar = self.grammars.submit(s.structured_outputs)
         return choices[0]
-
-    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
-        """Choice i of a seeded request samples with seed + i (its own stream)."""
-        if seed is None:
-            return None
-        return torch.Generator(device=self.device).manual_seed(seed + index)
 
     def _num_blocks(self, model: torch.nn.Module) -> int:
         if self.config.num_gpu_blocks is not None:

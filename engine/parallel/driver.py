@@ -21,6 +21,7 @@ from engine.parallel import wire
 from engine.parallel.group import Channel, Topology, join
 from engine.parallel.layers import TensorParallelLlama
 from engine.parallel.worker import WorkerArgs, build_shard, start_workers
+from engine.step_plan import BlockCopy
 from ipc import exit_codes
 from ipc.config import EngineConfig
 from ipc.model_source import ModelSource
@@ -65,8 +66,8 @@ class TensorParallelModel:
         self._send("logits", {}, {"hidden": hidden})
         return self.model.compute_logits(hidden)
 
-    def copy_blocks(self, copies: list[tuple[str, int, int]]) -> None:
-        self._send("copy", {"copies": [list(c) for c in copies]})
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        self._send("copy", {"copies": [[int(c.kind), c.src, c.dst] for c in copies]})
 
     def shutdown(self) -> None:
         if self._stopping:

@@ -18,6 +18,7 @@ from engine.models.config import ModelConfig
 from engine.parallel import wire
 from engine.parallel.group import Channel, Topology, join
 from engine.parallel.layers import TensorParallelLlama, load_shard, shard_plan
+from engine.step_plan import BlockCopy, CopyKind
 
 log = logging.getLogger("engine.parallel.worker")
 
@@ -98,7 +99,8 @@ def _serve(model: TensorParallelLlama, channel: Channel, device: torch.device) -
             model.compute_logits(tensors["hidden"])
         elif op == "copy":
             assert runner is not None, "init first"
-            runner._copy_blocks([tuple(c) for c in fields["copies"]])
+            runner._copy_blocks([BlockCopy(CopyKind(k), src, dst)
+                                 for k, src, dst in fields["copies"]])
         elif op == "stop":
             return
         else:
