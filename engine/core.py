@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from ipc.messages import AddRequest, EngineStats, TokenDelta
 from ipc.model_source import resolve_model
 from kernels import auto_backend, get_backend
 
+if TYPE_CHECKING:
+    from engine.parallel.driver import TensorParallelRunner
+
 _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # auto: the model's dtype
 # NOTE: a pool smaller than this cannot hold a useful request: refuse to start.
 _MIN_CONTEXT_TOKENS = 16
@@ -52,8 +56,8 @@ class EngineCore:
         self.tokenizer_dir = str(tokenizer_dir(source, config.tokenizer))
         self.quantization = resolve_quantization(config.quantization, source, self.dtype,
                                                  self.device, config.tensor_parallel_size)
-        model, self.model_config = _load_model(config, source, self.dtype, self.device,
-                                               self.quantization)
+        model, self.model_config, ranks = _load_model(config, source, self.dtype, self.device,
+                                                      self.quantization)
         self.max_model_len = _max_model_len(config, self.model_config)
         self.block_size = config.block_size
         self.num_gpu_blocks = self._num_blocks(model)
@@ -95,14 +99,13 @@ class EngineCore:
             for m in (model, draft_model):
                 if m is not None:
                     m.set_fused_cpu_ops(True)
-        self.runner = ModelRunner(
+        self.runner: ModelRunner | TensorParallelRunner = ModelRunner(
             model, self.num_gpu_blocks, self.block_size, self.max_model_len, sampler,
             backend, self.device, self.kv_dtype, self.num_cpu_blocks,
             draft_layers=config.speculative_draft_layers, draft_model=draft_model,
         )
-        if config.tensor_parallel_size > 1:
-            model.start_workers(self.num_gpu_blocks, self.block_size, self.max_model_len,
-                                self.kv_dtype, self.num_cpu_blocks)
+        if ranks is not None:
+            self.runner = self._tensor_parallel(self.runner, ranks)
         if self.device.type == "cpu":
             tune_malloc()  # NOTE: after loading and packing (engine/allocator.py says why)
         vocab = self.model_config.vocab_size
@@ -206,6 +209,17 @@ class EngineCore:
         self._pack(draft)
         return draft
 
+    def _tensor_parallel(self, runner: ModelRunner, ranks) -> TensorParallelRunner:
+        """Rank 0's runner, with the other ranks' runners built alike (same sizes, seed)."""
+        from engine.parallel.driver import TensorParallelRunner
+        from engine.parallel.records import RunnerInit
+
+        init = RunnerInit(self.num_gpu_blocks, self.block_size, self.max_model_len,
+                          self.attention_backend, str(self.kv_dtype).removeprefix("torch."),
+                          self.num_cpu_blocks, self.config.speculative_draft_layers,
+                          self.eos_token_ids, self.config.seed)
+        return TensorParallelRunner(runner, ranks, init)
+
     def _kv_window(self, config: EngineConfig, draft) -> int | None:
         """The window behind which KV blocks are released: every layer's of the model (and of
         a separate draft model, which shares the block tables) when all have one."""
@@ -301,9 +315,11 @@ def _spec_config(config: EngineConfig, num_layers: int) -> SpecConfig | None:
 
 def _load_model(config: EngineConfig, source, dtype: torch.dtype, device: torch.device,
                 quantization: str):
+    """The model (rank 0's shard under tensor parallelism), its config, the other ranks."""
     if config.tensor_parallel_size == 1:
-        return load_model(source, dtype, device, quantization, config.quantization_numerics)
-    from engine.parallel.driver import launch  # NOTE: lazy: spawns the worker processes
+        return (*load_model(source, dtype, device, quantization, config.quantization_numerics),
+                None)
+    from engine.parallel.driver import launch  # NOTE: lazy: torch.distributed, spawns ranks
 
     return launch(config, source, dtype, device)
 

@@ -189,8 +189,6 @@ class ModelRunner:
 
     def _copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Run swap-out, swap-in and copy-on-write copies in the order they were decided."""
-        if copies and hasattr(self.model, "copy_blocks"):
-            self.model.copy_blocks(copies)  # NOTE: tensor-parallel workers copy their shards
         start = 0
         while start < len(copies):
             kind = copies[start].kind

@@ -1,5 +1,6 @@
-"""The engine process's side of tensor parallelism: rank 0 runs in-process and stands in for
-the model in the runner; each of its calls is first sent on the channel to ranks 1..N-1.
+"""The engine process's side of tensor parallelism: it starts this node's other ranks, joins
+the group as rank 0, and runs rank 0's ModelRunner behind TensorParallelRunner, which sends
+every plan to the other ranks before running it.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.forward_context import get_forward_context
 from engine.models.config import ModelConfig, from_hf_config
-from engine.parallel import wire
+from engine.parallel import records
 from engine.parallel.group import Channel, Topology, join
 from engine.parallel.layers import TensorParallelLlama
 from engine.parallel.worker import WorkerArgs, build_shard, start_workers
-from engine.step_plan import BlockCopy
+from engine.runner import ModelRunner
+from engine.step_plan import DraftProposals, RunnerOutput, StepPlan
 from ipc import exit_codes
 from ipc.config import EngineConfig
 from ipc.model_source import ModelSource
@@ -30,52 +31,25 @@ log = logging.getLogger("engine.parallel.driver")
 _DEATH_GRACE_S = 10.0  # after a worker dies: time for the step to fail by itself
 
 
-class TensorParallelModel:
-    """Rank 0's shard behind LlamaForCausalLM's interface, as the ModelRunner uses it."""
+class Ranks:
+    """Ranks 1..N-1 as rank 0 sees them: the channel to all of them, and this node's worker
+    processes (watched: a death ends the engine even if a collective would block)."""
 
-    def __init__(self, model: TensorParallelLlama, channel: Channel,
-                 procs: list[mp.process.BaseProcess], backend: str) -> None:
-        self.model, self.cfg = model, model.cfg  # NOTE: cfg is the shard's: KV cache per rank
-        self._channel, self._procs, self._backend = channel, procs, backend
+    def __init__(self, channel: Channel, procs: list[mp.process.BaseProcess]) -> None:
+        self._channel, self._procs = channel, procs
         self._stopping = False
         threading.Thread(target=self._watch_workers, name="tp-watchdog", daemon=True).start()
 
-    def parameters(self):
-        return self.model.parameters()
-
-    def init_rope(self, max_positions: int, device: torch.device) -> None:
-        self.model.init_rope(max_positions, device)
-
-    def start_workers(self, num_blocks: int, block_size: int, max_model_len: int,
-                      kv_dtype: torch.dtype, num_cpu_blocks: int) -> None:
-        """Workers build their runners (KV cache shards) with the engine's sizes."""
-        self._send("init", {"num_blocks": num_blocks, "block_size": block_size,
-                            "max_model_len": max_model_len, "backend": self._backend,
-                            "kv_dtype": str(kv_dtype).removeprefix("torch."),
-                            "num_cpu_blocks": num_cpu_blocks})
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 num_layers: int | None = None) -> torch.Tensor:
-        fields, tensors = wire.meta_to_wire(get_forward_context().attn_metadata)
-        self._send("forward", {**fields, "num_layers": num_layers},
-                   {**tensors, "input_ids": input_ids, "positions": positions})
-        kwargs = {} if num_layers is None else {"num_layers": num_layers}
-        return self.model(input_ids, positions, **kwargs)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self._send("logits", {}, {"hidden": hidden})
-        return self.model.compute_logits(hidden)
-
-    def copy_blocks(self, copies: list[BlockCopy]) -> None:
-        self._send("copy", {"copies": [[int(c.kind), c.src, c.dst] for c in copies]})
+    def send(self, record: records.Record) -> None:
+        self._channel.send(records.encode(record))
 
     def shutdown(self) -> None:
         if self._stopping:
             return
         self._stopping = True
-        if self._workers_alive():
+        if all(p.exitcode is None for p in self._procs):
             try:
-                self._send("stop")
+                self.send(records.Stop())
             except RuntimeError as exc:  # NOTE: a rank on another node may be gone
                 log.warning("could not stop the workers cleanly: %s", exc)
         for proc in self._procs:
@@ -85,17 +59,10 @@ class TensorParallelModel:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _send(self, op: str, fields: dict | None = None,
-              tensors: dict[str, torch.Tensor] | None = None) -> None:
-        self._channel.send(wire.encode(op, fields or {}, tensors or {}))
-
-    def _workers_alive(self) -> bool:
-        return all(p.exitcode is None for p in self._procs)
-
     def _watch_workers(self) -> None:
-        # NOTE: a worker's death normally fails the step (the ring or a collective raises) and
-        # the engine loop sends EngineDead; if a collective blocks instead, exit so the gateway
-        # sees the process end rather than a hang.
+        # NOTE: a worker's death normally fails the step (a broadcast or collective raises)
+        # and the engine loop sends EngineDead; if a collective blocks instead, exit so the
+        # gateway sees the process end rather than a hang.
         while not self._stopping:
             time.sleep(0.5)
             dead = [p for p in self._procs if p.exitcode is not None]
@@ -107,14 +74,44 @@ class TensorParallelModel:
                     os._exit(exit_codes.ENGINE_DIED)
 
 
+class TensorParallelRunner:
+    """Rank 0's runner under tensor parallelism: each call's plan goes to every other rank,
+    then runs here. Every rank runs the same ModelRunner over its shard and its KV caches, so
+    block copies and swaps run everywhere from the plan.
+
+    NOTE: collectives must match across ranks in count and order. They do because each rank
+    runs the same code on the same plan: per forward one all-reduce for the embedding and two
+    per layer; one all-gather per compute_logits call (each prompt-logprob chunk, the sampled
+    rows, each self-draft position). Every rank also samples: the logits are all-gathered
+    (the same bytes on every rank) and every generator is seeded alike (the engine seed,
+    request seeds), so each rank draws the same tokens, and a self draft's next input is the
+    same on every rank. Only rank 0's output is used.
+    """
+
+    def __init__(self, runner: ModelRunner, ranks: Ranks, init: records.RunnerInit) -> None:
+        self.runner, self.ranks = runner, ranks
+        ranks.send(init)
+
+    def propose(self, plan: StepPlan) -> DraftProposals:
+        self.ranks.send(records.Propose(plan))
+        return self.runner.propose(plan)
+
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        self.ranks.send(records.Execute(plan))
+        return self.runner.execute(plan)
+
+    def shutdown(self) -> None:
+        self.ranks.shutdown()
+
+
 # NOTE: the Llama layout with q/k/v and gate/up stored apart (the shard loader splits them)
 TP_ARCHITECTURES = {"llama", "smollm", "mistral", "qwen2", "qwen3"}
 
 
 def launch(config: EngineConfig, source: ModelSource, dtype: torch.dtype,
-           device: torch.device) -> tuple[TensorParallelModel, ModelConfig]:
+           device: torch.device) -> tuple[TensorParallelLlama, ModelConfig, Ranks]:
     """Start this node's ranks 1..k-1, join the group as rank 0 (with the ranks of every other
-    node, started by `serve --headless`), load rank 0's shard."""
+    node, started by `serve --headless`); rank 0's shard, the full config, the other ranks."""
     if config.node_rank != 0:
         raise ValueError("node_rank: the engine (the scheduler and rank 0) runs on node 0; "
                          "run the other nodes with `pagedserve serve --headless`")
@@ -122,11 +119,9 @@ def launch(config: EngineConfig, source: ModelSource, dtype: torch.dtype,
     topology = Topology.from_config(config)
     args = WorkerArgs(topology, cfg, files, dtype, device.type, config.num_threads)
     procs = start_workers(args, topology.local_ranks[1:])
-    channel = _join_group(topology, device, procs)
-    model = TensorParallelModel(build_shard(cfg, 0, topology.size, files, dtype, device),
-                                channel, procs, config.attention_backend)
-    atexit.register(model.shutdown)
-    return model, cfg
+    ranks = Ranks(_join_group(topology, device, procs), procs)
+    atexit.register(ranks.shutdown)
+    return build_shard(cfg, 0, topology.size, files, dtype, device), cfg, ranks
 
 
 def _join_group(topology: Topology, device: torch.device,

@@ -1,5 +1,5 @@
-"""A tensor-parallel worker process (every rank but 0): loads its shard, then replays every op
-the driver sends on the channel (forward, logits, block copies) on its own KV cache shard.
+"""A tensor-parallel worker process (every rank but 0): loads its shard, builds the same
+ModelRunner as rank 0 over its own KV caches, and runs every plan rank 0 sends on the channel.
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ import torch
 import torch.distributed as dist
 
 from engine.allocator import tune_malloc
-from engine.forward_context import ForwardContext, forward_context
 from engine.models.config import ModelConfig
-from engine.parallel import wire
+from engine.parallel import records
 from engine.parallel.group import Channel, Topology, join
 from engine.parallel.layers import TensorParallelLlama, load_shard, shard_plan
-from engine.step_plan import BlockCopy, CopyKind
 
 log = logging.getLogger("engine.parallel.worker")
 
@@ -76,32 +74,29 @@ def worker_main(args: WorkerArgs, rank: int) -> None:
         dist.destroy_process_group()
 
 
-@torch.inference_mode()
 def _serve(model: TensorParallelLlama, channel: Channel, device: torch.device) -> None:
+    runner = None
+    while True:
+        match records.decode(channel.recv()):
+            case records.RunnerInit() as init:
+                runner = _runner(model, init, device)
+            case records.Propose(plan):
+                assert runner is not None, "init first"
+                runner.propose(plan)  # NOTE: rank 0 uses its own proposals (the same tokens)
+            case records.Execute(plan):
+                assert runner is not None, "init first"
+                runner.execute(plan)  # NOTE: only rank 0's output is used
+            case records.Stop():
+                return
+
+
+def _runner(model: TensorParallelLlama, init: records.RunnerInit, device: torch.device):
     from engine.runner import ModelRunner
+    from engine.sampler import Sampler
     from kernels import get_backend
 
-    runner: ModelRunner | None = None
-    while True:
-        op, fields, tensors = wire.decode(channel.recv(), device)
-        if op == "init":
-            runner = ModelRunner(
-                model, fields["num_blocks"], fields["block_size"], fields["max_model_len"],
-                None, get_backend(fields["backend"], device.type), device,  # type: ignore[arg-type]
-                getattr(torch, fields["kv_dtype"]), fields["num_cpu_blocks"])
-        elif op == "forward":
-            assert runner is not None, "init first"
-            meta = wire.meta_from_wire(fields, tensors)
-            kwargs = {} if fields["num_layers"] is None else {"num_layers": fields["num_layers"]}
-            with forward_context(ForwardContext(meta, runner.kv_caches, runner.backend)):
-                model(tensors["input_ids"], tensors["positions"], **kwargs)
-        elif op == "logits":
-            model.compute_logits(tensors["hidden"])
-        elif op == "copy":
-            assert runner is not None, "init first"
-            runner._copy_blocks([BlockCopy(CopyKind(k), src, dst)
-                                 for k, src, dst in fields["copies"]])
-        elif op == "stop":
-            return
-        else:
-            raise ValueError(f"unknown op {op!r}")
+    return ModelRunner(
+        model, init.num_blocks, init.block_size, init.max_model_len,
+        Sampler(init.eos_token_ids, init.seed, device),
+        get_backend(init.attention_backend, device.type), device,
+        getattr(torch, init.kv_dtype), init.num_cpu_blocks, draft_layers=init.draft_layers)

@@ -34,7 +34,7 @@ def _run(model: str | None, tp: int, prompts: list[list[int]] = PROMPTS, num_gpu
         return [(r.token_ids, r.logprobs or []) for r in out]
     finally:
         if tp > 1:
-            llm.engine.runner.model.shutdown()
+            llm.engine.runner.shutdown()
 
 
 def _assert_same(tp1, tp2) -> None:
@@ -119,3 +119,26 @@ async def test_a_dead_worker_fails_the_engine_cleanly(tiny_model_dir: Path) -> N
         assert not client.ready and client.last_error
     finally:
         await client.close(timeout=2)
+
+
+def test_two_phase_steps_and_seeded_choices_match_tp1(tiny_model_dir: Path) -> None:
+    """Self drafts (the propose phase runs on every rank, then verification), n=2 seeded
+    sampling with copy-on-write of the shared last prompt block: TP=2 gives TP=1's tokens, so
+    every rank ran the same collectives on the same inputs and sampled alike."""
+    from engine.llm import LLM
+
+    def run(tp: int) -> list[list[list[int]]]:
+        llm = LLM(str(tiny_model_dir), device="cpu", num_gpu_blocks=64, max_model_len=256,
+                  num_threads=1, tensor_parallel_size=tp, speculative_method="self",
+                  speculative_draft_layers=1, num_speculative_tokens=3)
+        try:
+            greedy = SamplingParams(max_tokens=12, temperature=0.0)
+            seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=7, n=2)
+            out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [greedy, seeded])
+            assert llm.engine.stats().spec_draft_tokens > 0
+            return [[c.token_ids for c in r.outputs] for r in out]
+        finally:
+            if tp > 1:
+                llm.engine.runner.shutdown()
+
+    assert run(2) == run(1)
