@@ -1,6 +1,7 @@
 """Two "nodes" on 127.0.0.1 (gloo), each its own process tree: `pagedserve serve --nnodes 2
 --node-rank 0` (gateway, engine, rank 0) and `pagedserve serve --headless --node-rank 1` (rank 1
-only) give one rank's greedy tokens; the multi-node flags are validated naming the field.
+only) give one rank's greedy tokens; a headless node exits when the engine dies; the
+multi-node flags are validated naming the field.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ipc import exit_codes
 from ipc.config import EngineConfig
 from ipc.sampling import SamplingParams
 from tests.e2e.serve_support import ROOT, free_port, wait_health
@@ -117,3 +119,25 @@ def test_flags_reach_a_spawned_engine() -> None:
     assert config.ranks_per_node == 2
     assert config.to_cli_args() == ["--tensor-parallel-size", "4", "--nnodes", "2",
                                     "--master-addr", "10.0.0.1", "--master-port", "29500"]
+
+
+def test_a_headless_node_exits_when_the_engine_dies(tiny_model_dir: Path) -> None:
+    master = free_port()
+    flags = _tp_flags(tiny_model_dir, master, 1)
+    leader = subprocess.Popen(  # node 0 as a bare engine: LLM, killed once its ranks joined
+        [sys.executable, "-c", "import sys, time\nfrom engine.llm import LLM\n"
+         f"LLM({str(tiny_model_dir)!r}, device='cpu', num_gpu_blocks=64, max_model_len=256, "
+         f"num_threads=1, tensor_parallel_size=2, nnodes=2, master_port={master})\n"
+         "print('ready', flush=True)\ntime.sleep(120)\n"],
+        cwd=ROOT, stdout=subprocess.PIPE, start_new_session=True)
+    worker = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--headless", *flags],
+                              cwd=ROOT, start_new_session=True, stderr=subprocess.DEVNULL)
+    try:
+        assert leader.stdout is not None and leader.stdout.readline() == b"ready\n"
+        os.kill(leader.pid, signal.SIGKILL)
+        assert worker.wait(60) == exit_codes.ENGINE_DIED  # its ranks saw the sockets close
+    finally:
+        for proc in (leader, worker):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
