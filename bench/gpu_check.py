@@ -132,11 +132,11 @@ def step_parity(args: argparse.Namespace) -> str:
     device, and against the engine on the CPU (pure torch path)."""
     source = _source(args)
     prompts = _parity_prompts(source, args.parity_prompts)
-    ours = _engine_greedy(source, args, args.device, prompts)
+    ours, backend = _engine_greedy(source, args, args.device, prompts)
     hf, hf_logprobs = _hf_greedy(source, args.device, prompts, args.max_new)
-    cpu = ours if args.device == "cpu" else _engine_greedy(source, args, "cpu", prompts)
+    cpu = ours if args.device == "cpu" else _engine_greedy(source, args, "cpu", prompts)[0]
     real = _real_divergences(ours, hf, hf_logprobs)
-    detail = [f"vs HF on {args.device}: {_agreement(ours, hf)}"]
+    detail = [f"{backend}, float32; vs HF on {args.device}: {_agreement(ours, hf)}"]
     if args.device != "cpu":
         detail.append(f"vs CPU engine: {_agreement(ours, cpu)}")
     if real:
@@ -256,7 +256,8 @@ def _parity_prompts(source, count: int) -> list[list[int]]:
 
 
 def _engine_greedy(source, args: argparse.Namespace, device: str,
-                   prompts: list[list[int]]) -> list[list[int]]:
+                   prompts: list[list[int]]) -> tuple[list[list[int]], str]:
+    """The engine's greedy tokens per prompt, and the attention backend that ran."""
     from engine.llm import LLM
     from ipc.sampling import SamplingParams
 
@@ -268,7 +269,7 @@ def _engine_greedy(source, args: argparse.Namespace, device: str,
                                                                  else {}))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [o.token_ids for o in out]
+    return [o.token_ids for o in out], llm.engine.attention_backend
 
 
 def _hf_greedy(source, device: str, prompts: list[list[int]], max_new: int):

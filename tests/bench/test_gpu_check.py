@@ -28,7 +28,7 @@ def test_every_step_on_cpu(tiny_model_dir: Path, capsys) -> None:
     table = _table(capsys.readouterr().out)
     assert status == 0, table
     assert table["kernels"][0] == "ok" and " 0 failed" in table["kernels"][1]
-    assert table["parity"] == ("ok", "vs HF on cpu: 2/2 sequences equal")
+    assert table["parity"] == ("ok", "torch, float32; vs HF on cpu: 2/2 sequences equal")
     assert table["serve"][0] == "ok" and "streamed" in table["serve"][1]
     assert table["throughput"][0] == "ok" and "B=1:" in table["throughput"][1] \
         and "B=2:" in table["throughput"][1]
