@@ -28,6 +28,7 @@ PARITY_TEXT = ("The history of the printing press begins in the fifteenth centur
                "type changed how knowledge spread across Europe. Scholars and merchants found new "
                "uses for cheap books. ")
 _NEAR_TIE = 1e-3
+_MIN_STEP_S = 10.0  # a step is not started with less of the budget left
 _KERNEL_BACKENDS = {"cuda": "torch,triton,flash_attn", "cpu": "torch,cpu"}
 
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV blocks of every engine started (fixed: no memory profiling)")
     p.add_argument("--step-timeout", type=float, default=120.0,
                    help="seconds a subprocess step (kernels, serve, attention) may take")
+    p.add_argument("--budget", type=float, default=270.0,
+                   help="seconds for the whole check: a step that would start later is "
+                        "skipped, a subprocess step is cut at the budget, the table is printed")
     return p
 
 
@@ -73,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": step_kernels, "parity": step_parity, "serve": step_serve,
         "throughput": step_throughput, "attention": step_attention}
     rows = []
+    args.deadline = time.monotonic() + args.budget
     for name in args.steps.split(","):
         print(f"== {name}", flush=True)
         rows.append(_run_step(name, steps[name], args))
@@ -85,6 +90,8 @@ def _run_step(name: str, fn: Callable[[argparse.Namespace], str],
               args: argparse.Namespace) -> Row:
     start = time.perf_counter()
     try:
+        if _time_left(args) < _MIN_STEP_S:
+            raise Skipped(f"the {args.budget:g} s budget is spent")
         status, detail = "ok", fn(args)
     except Skipped as exc:
         status, detail = "skipped", f"({exc})"
@@ -110,7 +117,7 @@ def step_kernels(args: argparse.Namespace) -> str:
     """Every attention backend against float64 (tests/kernels/kernel_cases.py)."""
     _require_device(args)
     out = _subprocess([sys.executable, "tests/kernels/kernel_cases.py", "--device", args.device,
-                       "--backends", _KERNEL_BACKENDS[args.device]], args.step_timeout)
+                       "--backends", _KERNEL_BACKENDS[args.device]], _step_timeout(args))
     last = out.strip().splitlines()[-1]
     skipped = [line for line in out.splitlines() if line.startswith("skip ")]
     return last + (f"; {len(skipped)} backend(s) absent: " +
@@ -122,7 +129,7 @@ def step_attention(args: argparse.Namespace) -> str:
         raise Skipped("GPU-only: decode/prefill timings against copy bandwidth and matmul rate")
     _require_device(args)
     out = _subprocess([sys.executable, "-m", "bench.attention", "--device", "cuda", "--backends",
-                       _KERNEL_BACKENDS["cuda"]], args.step_timeout)
+                       _KERNEL_BACKENDS["cuda"]], _step_timeout(args))
     print(out)
     return "timings printed above"
 
@@ -157,7 +164,7 @@ def step_serve(args: argparse.Namespace) -> str:
                             env=_env())
     try:
         started = time.perf_counter()
-        _wait_health(f"http://127.0.0.1:{port}", proc, args.step_timeout)
+        _wait_health(f"http://127.0.0.1:{port}", proc, _step_timeout(args))
         ready_s = time.perf_counter() - started
         return f"ready in {ready_s:.1f} s; " + _stream_one(port)
     finally:
@@ -196,6 +203,14 @@ def step_throughput(args: argparse.Namespace) -> str:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+def _time_left(args: argparse.Namespace) -> float:
+    return args.deadline - time.monotonic()
+
+
+def _step_timeout(args: argparse.Namespace) -> float:
+    return max(1.0, min(args.step_timeout, _time_left(args)))
+
 
 def _require_device(args: argparse.Namespace) -> None:
     if args.device == "cuda":

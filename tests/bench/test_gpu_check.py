@@ -52,3 +52,10 @@ def test_a_divergence_from_hf_that_is_not_a_near_tie_fails() -> None:
     assert gpu_check._real_divergences([[0, 1]], [[0, 0]], logprobs) == [
         "prompt 0 token 1 (HF log-prob gap 4.9)"]
     assert gpu_check._real_divergences([[0, 2]], [[0, 0]], logprobs) == []  # a near-tie
+
+
+def test_a_spent_budget_skips_the_remaining_steps(capsys) -> None:
+    assert gpu_check.main(["--device", "cpu", "--budget", "0"]) == 0
+    table = _table(capsys.readouterr().out)
+    assert {s for s, _ in table.values()} == {"skipped"}
+    assert all("budget is spent" in detail for _, detail in table.values())
