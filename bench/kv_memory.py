@@ -26,9 +26,14 @@ import time
 from bench.workloads import make_workload
 from engine.kv_manager import KVCacheManager
 from engine.request import Request
-from engine.sampler import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.step_plan import RunnerOutput, Sampled, StepPlan
 from ipc.sampling import SamplingParams
+
+
+def _tokens(plan: StepPlan) -> RunnerOutput:
+    """A stand-in runner's answer: token 7 for every sampling choice."""
+    return RunnerOutput({r.key: Sampled(7, [], None) for r in plan.sampling})
 
 
 def simulate(specs, block_size: int, budget_tokens: int, max_model_len: int) -> dict:
@@ -45,8 +50,7 @@ def simulate(specs, block_size: int, budget_tokens: int, max_model_len: int) -> 
     saturated: list[int] = []  # running counts while requests still wait for room
     while sched.has_unfinished():
         out = sched.schedule()
-        sampled = SamplerOutput([7] * len(out.sampling), [None] * len(out.sampling))
-        sched.update(out, sampled)
+        sched.update(out, _tokens(out))
         used = kv.pool.num_blocks - kv.num_free_blocks
         stored += sum(r.num_computed_tokens for r in sched.running)
         allocated += used * block_size
@@ -75,7 +79,7 @@ def window_freeing(window: int, total_tokens: int, block_size: int = 16,
         peak = 0
         while sched.has_unfinished():
             out = sched.schedule()
-            sched.update(out, SamplerOutput([7] * len(out.sampling), [None] * len(out.sampling)))
+            sched.update(out, _tokens(out))
             peak = max(peak, kv.pool.num_blocks - kv.num_free_blocks)
         assert kv.num_free_blocks == kv.pool.num_blocks  # KV blocks balance
         result[label] = {"peak_blocks": peak, "bound": kv.max_blocks_held(total_tokens, chunk)}

@@ -32,9 +32,10 @@ def step_times(config, batch: int, steps: int) -> list[float]:
             times.append(time.perf_counter() - start)
         return times
     finally:
-        model = core.runner.model
-        if hasattr(model, "shutdown"):
-            model.shutdown()
+        from engine.parallel.driver import TensorParallelRunner
+
+        if isinstance(core.runner, TensorParallelRunner):
+            core.runner.shutdown()
 
 
 def main() -> None:

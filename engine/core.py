@@ -8,10 +8,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.allocator import tune_malloc
+from engine.devices import resolve_device, resolve_dtype
 from engine.kv_manager import KVCacheManager
 from engine.models.config import ModelConfig
 from engine.models.cpu_linear import pack_linears, resolve_mode
@@ -22,6 +24,7 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig, SpecConfig
+from engine.step_plan import choice_key
 from engine.structured.compiler import GrammarCompiler
 from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig
@@ -29,7 +32,9 @@ from ipc.messages import AddRequest, EngineStats, TokenDelta
 from ipc.model_source import resolve_model
 from kernels import auto_backend, get_backend
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    from engine.parallel.driver import TensorParallelRunner
+
 _KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # auto: the model's dtype
 # NOTE: a pool smaller than this cannot hold a useful request: refuse to start.
 _MIN_CONTEXT_TOKENS = 16
@@ -43,16 +48,16 @@ class EngineCore:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.device = _device(config.device)
-        self.dtype = _dtype(config.dtype, self.device)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = _KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         source = resolve_model(config.model, config.served_model_name)
         self.model_name = source.name
         self.tokenizer_dir = str(tokenizer_dir(source, config.tokenizer))
         self.quantization = resolve_quantization(config.quantization, source, self.dtype,
                                                  self.device, config.tensor_parallel_size)
-        model, self.model_config = _load_model(config, source, self.dtype, self.device,
-                                               self.quantization)
+        model, self.model_config, ranks = _load_model(config, source, self.dtype, self.device,
+                                                      self.quantization)
         self.max_model_len = _max_model_len(config, self.model_config)
         self.block_size = config.block_size
         self.num_gpu_blocks = self._num_blocks(model)
@@ -79,7 +84,8 @@ class EngineCore:
                                     config.preemption_mode)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            _spec_config(config, self.model_config.num_layers)),
+                            _spec_config(config, self.model_config.num_layers),
+                            self.model_config.vocab_size),
             self.kv,
             self.eos_token_ids,
             preemption,
@@ -93,14 +99,13 @@ class EngineCore:
             for m in (model, draft_model):
                 if m is not None:
                     m.set_fused_cpu_ops(True)
-        self.runner = ModelRunner(
+        self.runner: ModelRunner | TensorParallelRunner = ModelRunner(
             model, self.num_gpu_blocks, self.block_size, self.max_model_len, sampler,
             backend, self.device, self.kv_dtype, self.num_cpu_blocks,
             draft_layers=config.speculative_draft_layers, draft_model=draft_model,
         )
-        if config.tensor_parallel_size > 1:
-            model.start_workers(self.num_gpu_blocks, self.block_size, self.max_model_len,
-                                self.kv_dtype, self.num_cpu_blocks)
+        if ranks is not None:
+            self.runner = self._tensor_parallel(self.runner, ranks)
         if self.device.type == "cpu":
             tune_malloc()  # NOTE: after loading and packing (engine/allocator.py says why)
         vocab = self.model_config.vocab_size
@@ -132,15 +137,22 @@ class EngineCore:
 
     def step(self) -> list[TokenDelta]:
         deltas = self.scheduler.admit_compiled()
-        out = self.scheduler.schedule()
-        if out.empty and not out.block_copies:
-            if not deltas:  # NOTE: only grammars compiling: wait for one instead of spinning
+        plan = self.scheduler.schedule()
+        if plan.empty and not plan.block_copies:
+            if plan.finished_keys:
+                self.runner.execute(plan)  # NOTE: nothing to run; the runner drops the rows
+            elif not deltas:  # NOTE: only grammars compiling: wait for one, not spinning
                 self.scheduler.wait_for_grammar(_GRAMMAR_POLL_S)
             return deltas
         self.step_count += 1
-        sampled = self.runner.execute(out)
-        self._count(out)
-        return deltas + self.scheduler.update(out, sampled)
+        if plan.self_drafts:
+            # NOTE: two phases in one step: the runner's draft proposes, the scheduler turns
+            # the proposals into the plan's drafts (and grammar masks), the target verifies
+            self.scheduler.attach_drafts(plan, self.runner.propose(plan))
+        output = self.runner.execute(plan)
+        self._prompt_tokens += self.scheduler.num_prompt_tokens_in(plan)
+        self._generation_tokens += len(plan.sampling)
+        return deltas + self.scheduler.update(plan, output)
 
     def cached_block_hashes(self) -> list[bytes]:
         """Hashes of the blocks in the prefix cache (reported to the gateway for routing)."""
@@ -197,6 +209,17 @@ class EngineCore:
         self._pack(draft)
         return draft
 
+    def _tensor_parallel(self, runner: ModelRunner, ranks) -> TensorParallelRunner:
+        """Rank 0's runner, with the other ranks' runners built alike (same sizes, seed)."""
+        from engine.parallel.driver import TensorParallelRunner
+        from engine.parallel.records import RunnerInit
+
+        init = RunnerInit(self.num_gpu_blocks, self.block_size, self.max_model_len,
+                          self.attention_backend, str(self.kv_dtype).removeprefix("torch."),
+                          self.num_cpu_blocks, self.config.speculative_draft_layers,
+                          self.eos_token_ids, self.config.seed)
+        return TensorParallelRunner(runner, ranks, init)
+
     def _kv_window(self, config: EngineConfig, draft) -> int | None:
         """The window behind which KV blocks are released: every layer's of the model (and of
         a separate draft model, which shares the block tables) when all have one."""
@@ -213,14 +236,10 @@ class EngineCore:
         pack_linears(model, mode)
         return mode
 
-    def _count(self, out) -> None:
-        for req, n in out.scheduled:
-            self._prompt_tokens += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
-        self._generation_tokens += len(out.sampling)
-
     def _validate(self, msg: AddRequest) -> Request:
         prompt, s = msg.prompt_token_ids, msg.sampling
-        if msg.request_id in self.scheduler.groups:
+        keys = [choice_key(msg.request_id, i) for i in range(s.num_choices)]
+        if msg.request_id in self.scheduler.groups or any(map(self.scheduler.is_live, keys)):
             raise ValueError(f"request_id {msg.request_id!r} is already in use")
         if not prompt:
             raise ValueError("prompt must not be empty")
@@ -255,20 +274,13 @@ class EngineCore:
             raise ValueError(f"logit_bias token ids must be < {vocab}")
         choices = [
             Request(msg.request_id, list(prompt), s, max_tokens, msg.priority,
-                    msg.arrival_time or time.time(), self._generator(s.seed, i),
-                    (msg.cache_salt or "").encode(), index=i)
+                    msg.arrival_time or time.time(), (msg.cache_salt or "").encode(), index=i)
             for i in range(s.num_choices)
         ]
         choices[0].children = choices[1:]
         if s.structured_outputs is not None:
             choices[0].pending_grammar = self.grammars.submit(s.structured_outputs)
         return choices[0]
-
-    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
-        """Choice i of a seeded request samples with seed + i (its own stream)."""
-        if seed is None:
-            return None
-        return torch.Generator(device=self.device).manual_seed(seed + index)
 
     def _num_blocks(self, model: torch.nn.Module) -> int:
         if self.config.num_gpu_blocks is not None:
@@ -303,24 +315,13 @@ def _spec_config(config: EngineConfig, num_layers: int) -> SpecConfig | None:
 
 def _load_model(config: EngineConfig, source, dtype: torch.dtype, device: torch.device,
                 quantization: str):
+    """The model (rank 0's shard under tensor parallelism), its config, the other ranks."""
     if config.tensor_parallel_size == 1:
-        return load_model(source, dtype, device, quantization, config.quantization_numerics)
-    from engine.parallel.driver import launch  # NOTE: lazy: spawns the worker processes
+        return (*load_model(source, dtype, device, quantization, config.quantization_numerics),
+                None)
+    from engine.parallel.driver import launch  # NOTE: lazy: torch.distributed, spawns ranks
 
     return launch(config, source, dtype, device)
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # NOTE: the CPU here has no bf16 matrix units: float32 is the fast dtype on CPU.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 def _fit_context(max_model_len: int, num_blocks: int, block_size: int, full_blocks: int) -> int:

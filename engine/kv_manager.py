@@ -5,6 +5,9 @@ A block is either free (in its pool's free queue, ref count 0) or referenced by 
 tables that hold it (ref count = number of tables). Full blocks are registered in the prefix
 cache under a hash chain and stay there, even when free, until their block is reused.
 
+Block tables belong here, by choice key (engine.step_plan.choice_key): the scheduler asks for
+them by key, and `take_table_diff` says what changed since the runner last saw a table.
+
 Sliding windows: when every layer of the model attends within a window, the blocks wholly
 before the window of a request's next query are released (to the back of the free queue:
 still in the prefix cache until reused) and their table entries become NULL_BLOCK, so a long
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from engine.request import Request
+from engine.step_plan import BlockCopy, CopyKind, Diff
 from ipc.prefix_hash import BlockHash, hash_block  # NOTE: in ipc, so the gateway routes by it
 
 NULL_BLOCK = -1  # a table entry whose block was released: it lies before the window
@@ -113,10 +117,16 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.enable_prefix_caching = enable_prefix_caching
-        # block copies decided this step, in order: (kind, src, dst)
-        self.pending_copies: list[tuple[str, int, int]] = []
+        self.pending_copies: list[BlockCopy] = []  # block copies decided this step, in order
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found
+        self._tables: dict[str, list[int]] = {}  # key -> block table (device pool)
+        self._cpu_tables: dict[str, list[int]] = {}  # key -> its table while swapped out
+        self._registered: dict[str, int] = {}  # key -> leading blocks in the prefix cache
+        # what the runner holds of each table: its length, and how many leading entries of
+        # it are still right (a rewrite lowers this)
+        self._sent_len: dict[str, int] = {}
+        self._clean: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -129,6 +139,51 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    # ---- tables by key ---------------------------------------------------------------------
+
+    def block_ids(self, key: str) -> list[int]:
+        """A copy of the choice's block table ([] when it holds none)."""
+        return list(self._tables.get(key, ()))
+
+    def cpu_block_ids(self, key: str) -> list[int]:
+        """A copy of its table in the CPU pool ([] unless swapped out)."""
+        return list(self._cpu_tables.get(key, ()))
+
+    def num_blocks(self, key: str) -> int:
+        return len(self._tables.get(key, ()))
+
+    def is_swapped(self, key: str) -> bool:
+        return key in self._cpu_tables
+
+    def take_table_diff(self, key: str) -> Diff | None:
+        """What the runner must change in its copy of the table (None: nothing); the runner is
+        then assumed to hold the table as it is now."""
+        table = self._tables.get(key, [])
+        clean = min(self._clean.get(key, 0), len(table))
+        if clean == len(table) == self._sent_len.get(key, 0):
+            return None
+        self._sent_len[key] = self._clean[key] = len(table)
+        return Diff(clean, table[clean:])
+
+    def forget(self, key: str) -> None:
+        """The runner dropped the choice (it finished): no table to mirror any more."""
+        self._sent_len.pop(key, None)
+        self._clean.pop(key, None)
+
+    def _dirty(self, key: str, index: int) -> None:
+        """Table entries from `index` on changed in place (not appended)."""
+        if key in self._clean:
+            self._clean[key] = min(self._clean[key], index)
+
+    def _set_table(self, key: str, table: list[int]) -> None:
+        if table:
+            self._tables[key] = table
+        else:
+            self._tables.pop(key, None)
+        self._dirty(key, 0)
+
+    # ---- sizes -----------------------------------------------------------------------------
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -150,11 +205,14 @@ class KVCacheManager:
 
     def drop_out_of_window(self, req: Request) -> None:
         """Release the blocks before the window of the request's next query."""
-        n = min(self.out_of_window(req.num_computed_tokens), len(req.block_ids))
-        old = held(req.block_ids[:n])
+        table = self._tables.get(req.key, [])
+        n = min(self.out_of_window(req.num_computed_tokens), len(table))
+        old = held(table[:n])
         if old:
             self.pool.release(old)
-            req.block_ids[:n] = [NULL_BLOCK] * n
+            first = table.index(old[0])
+            table[:n] = [NULL_BLOCK] * n
+            self._dirty(req.key, first)
 
     # ---- prefix cache ----------------------------------------------------------------------
 
@@ -189,15 +247,17 @@ class KVCacheManager:
             return
         # NOTE: accepted draft tokens count as computed before they are appended: only
         # blocks of known tokens are hashed now, the rest on a later call.
+        table = self._tables.get(req.key, [])
         computed = min(req.num_computed_tokens, req.num_tokens)
-        full = min(computed // self.block_size, len(req.block_ids))
-        if full <= req.num_registered_blocks:
+        full = min(computed // self.block_size, len(table))
+        registered = self._registered.get(req.key, 0)
+        if full <= registered:
             return
         hashes = self.block_hashes(req)
-        for i in range(req.num_registered_blocks, full):
-            if req.block_ids[i] != NULL_BLOCK:
-                self.pool.register(req.block_ids[i], hashes[i])
-        req.num_registered_blocks = full
+        for i in range(registered, full):
+            if table[i] != NULL_BLOCK:
+                self.pool.register(table[i], hashes[i])
+        self._registered[req.key] = full
 
     # ---- allocation ------------------------------------------------------------------------
 
@@ -209,95 +269,107 @@ class KVCacheManager:
         cached_blocks = cached_blocks or []
         if not cached_blocks:
             self.drop_out_of_window(req)
+        table = self._tables.get(req.key, [])
         computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
-        held = len(req.block_ids) + len(cached_blocks)
-        need = max(0, self.blocks_needed(computed + num_new_tokens) - held)
-        cow = self._shared_write_block(req, computed) if num_new_tokens else None
+        holding = len(table) + len(cached_blocks)
+        need = max(0, self.blocks_needed(computed + num_new_tokens) - holding)
+        cow = self._shared_write_block(table, computed) if num_new_tokens else None
         reviving = sum(1 for b in cached_blocks if self.pool.ref_cnt[b] == 0)
         if need + (cow is not None) > self.pool.num_free - reviving:
             return False
         self.pool.touch(cached_blocks)
-        req.block_ids.extend(cached_blocks)
+        table.extend(cached_blocks)
         if cow is not None:
-            self._copy_on_write(req, cow)
-        req.block_ids.extend(self.pool.take(need) or [])
+            self._copy_on_write(req.key, table, cow)
+        table.extend(self.pool.take(need) or [])
+        if table:
+            self._tables[req.key] = table
         return True
 
-    def _shared_write_block(self, req: Request, computed: int) -> int | None:
+    def _shared_write_block(self, table: list[int], computed: int) -> int | None:
         """Index in the table of the first block to be written, if other tables share it."""
         idx = computed // self.block_size
-        if idx < len(req.block_ids) and self.pool.ref_cnt[req.block_ids[idx]] > 1:
+        if idx < len(table) and self.pool.ref_cnt[table[idx]] > 1:
             return idx
         return None
 
-    def _copy_on_write(self, req: Request, idx: int) -> None:
+    def _copy_on_write(self, key: str, table: list[int], idx: int) -> None:
         (fresh,) = self.pool.take(1)
-        old = req.block_ids[idx]
-        self.pending_copies.append(("gpu_to_gpu", old, fresh))
+        old = table[idx]
+        self.pending_copies.append(BlockCopy(CopyKind.GPU_TO_GPU, old, fresh))
         self.pool.release([old])
-        req.block_ids[idx] = fresh
+        table[idx] = fresh
+        self._dirty(key, idx)
 
     def trim(self, req: Request) -> None:
         """Give back blocks past the computed tokens (the slots of rejected draft tokens)."""
+        table = self._tables.get(req.key, [])
         keep = self.blocks_needed(req.num_computed_tokens)
-        if len(req.block_ids) > keep:
-            self.pool.release(list(reversed(req.block_ids[keep:])))
-            del req.block_ids[keep:]
+        if len(table) > keep:
+            self.pool.release(list(reversed(table[keep:])))
+            del table[keep:]
+            self._dirty(req.key, keep)
+            if not table:
+                del self._tables[req.key]
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (the last partial one too)."""
-        assert not child.block_ids
-        self.pool.share(parent.block_ids)
-        child.block_ids = list(parent.block_ids)
-        child.num_registered_blocks = parent.num_registered_blocks
+        assert child.key not in self._tables
+        table = self._tables.get(parent.key, [])
+        self.pool.share(table)
+        self._set_table(child.key, list(table))
+        self._registered[child.key] = self._registered.get(parent.key, 0)
 
     def free(self, req: Request) -> None:
         # NOTE: tail first, so a chain's tail is evicted before its head.
-        self.pool.release(list(reversed(req.block_ids)))
-        req.block_ids = []
-        req.num_registered_blocks = 0
-        if req.cpu_block_ids and self.cpu_pool:
-            self.cpu_pool.release(req.cpu_block_ids)
-            req.cpu_block_ids = []
+        self.pool.release(list(reversed(self._tables.pop(req.key, []))))
+        self._dirty(req.key, 0)
+        self._registered.pop(req.key, None)
+        cpu = self._cpu_tables.pop(req.key, None)
+        if cpu and self.cpu_pool:
+            self.cpu_pool.release(held(cpu))
 
     # ---- swap ------------------------------------------------------------------------------
 
     def can_swap_out(self, req: Request) -> bool:
-        return self.cpu_pool is not None and len(held(req.block_ids)) <= self.cpu_pool.num_free
+        table = self._tables.get(req.key, [])
+        return self.cpu_pool is not None and len(held(table)) <= self.cpu_pool.num_free
 
     def swap_out(self, req: Request) -> None:
         """Move the request's blocks to the CPU pool (the copies run before the next forward).
         NULL_BLOCK entries stay in place in the CPU table."""
         assert self.cpu_pool is not None
-        gpu = held(req.block_ids)
+        table = self._tables.pop(req.key, [])
+        gpu = held(table)
         cpu = self.cpu_pool.take(len(gpu))
         assert cpu is not None, "check can_swap_out() first"
-        self.pending_copies += [("gpu_to_cpu", g, c) for g, c in zip(gpu, cpu, strict=True)]
+        self.pending_copies += [BlockCopy(CopyKind.GPU_TO_CPU, g, c)
+                                for g, c in zip(gpu, cpu, strict=True)]
         self.pool.release(list(reversed(gpu)))
-        req.cpu_block_ids = _refill(req.block_ids, cpu)
-        req.block_ids = []
-        req.num_registered_blocks = 0
+        self._cpu_tables[req.key] = _refill(table, cpu)
+        self._dirty(req.key, 0)
+        self._registered.pop(req.key, None)
 
     def blocks_to_swap_in(self, req: Request, num_new_tokens: int) -> int:
         """GPU blocks a swapped request needs to resume with num_new_tokens more."""
-        table = req.cpu_block_ids
+        table = self._cpu_tables[req.key]
         grow = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
         return len(held(table)) + max(0, grow)
 
     def swap_in(self, req: Request) -> bool:
         """Bring a swapped request's blocks back; False (nothing taken) if no room."""
-        assert self.cpu_pool is not None and req.cpu_block_ids
-        cpu = held(req.cpu_block_ids)
+        assert self.cpu_pool is not None and req.key in self._cpu_tables
+        cpu = held(self._cpu_tables[req.key])
         gpu = self.pool.take(len(cpu))
         if gpu is None:
             return False
-        self.pending_copies += [("cpu_to_gpu", c, g) for c, g in zip(cpu, gpu, strict=True)]
+        self.pending_copies += [BlockCopy(CopyKind.CPU_TO_GPU, c, g)
+                                for c, g in zip(cpu, gpu, strict=True)]
         self.cpu_pool.release(cpu)
-        req.block_ids = _refill(req.cpu_block_ids, gpu)
-        req.cpu_block_ids = []
+        self._set_table(req.key, _refill(self._cpu_tables.pop(req.key), gpu))
         return True
 
-    def take_pending_copies(self) -> list[tuple[str, int, int]]:
+    def take_pending_copies(self) -> list[BlockCopy]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 

@@ -1,4 +1,5 @@
-"""A request's state inside the engine: tokens, progress, blocks and how it finished."""
+"""A request's scheduling state inside the engine: tokens, progress and how it finished (its
+block table is the KV manager's, its row state the runner's, both by `key`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
+from engine.step_plan import choice_key
 from ipc.messages import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -59,7 +59,6 @@ class Request:
         max_tokens: int,
         priority: int = 0,
         arrival_time: float = 0.0,
-        generator: torch.Generator | None = None,
         cache_salt: bytes = b"",
         index: int = 0,
     ) -> None:
@@ -68,16 +67,13 @@ class Request:
         self.max_tokens = max_tokens  # resolved: never None here
         self.priority = priority
         self.arrival_time = arrival_time
-        self.generator = generator  # set when the request has its own seed
         self.status = RequestStatus.WAITING
         self.num_prompt_tokens = len(prompt_token_ids)
         self._all_token_ids = list(prompt_token_ids)
         self.index = index  # which of the request's n choices this is
+        self.key = choice_key(request_id, index)  # this choice's id in the KV manager, runner
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.block_ids: list[int] = []  # the block table
-        self.cpu_block_ids: list[int] = []  # where the blocks are while swapped out
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks so far
-        self.num_registered_blocks = 0  # leading blocks registered in the prefix cache
         self.cache_salt = cache_salt  # extra key: only requests with the same salt share blocks
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.scheduled_time: float | None = None  # time.time() of the first admission
@@ -85,7 +81,6 @@ class Request:
         self.children: list[Request] = []  # the other n - 1 choices, forked after the prompt
         self.beam_candidates: list[tuple[int, float]] | None = None  # (token, logprob), top 2k
         self.spec_token_ids: list[int] = []  # draft tokens verified in this step
-        self.spec_draft_probs = None  # [gamma, vocab] tensor of the draft's probabilities
         self.spec_gamma: int | None = None  # adaptive; None until the request first speculates
         self.spec_ema = 0.5  # recent acceptance rate
         self.spec_idle = 0  # plain steps since gamma fell to 0
@@ -133,8 +128,10 @@ class Request:
         return len(self._all_token_ids) - self.num_prompt_tokens
 
     @property
-    def swapped(self) -> bool:
-        return bool(self.cpu_block_ids)
+    def seed(self) -> int | None:
+        """The seed of this choice's own generator: choice i samples with seed + i."""
+        s = self.sampling.seed
+        return None if s is None else s + self.index
 
     @property
     def finish_reason(self) -> str | None:

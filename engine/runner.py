@@ -1,5 +1,6 @@
-"""Model runner: flattens a scheduled batch into one varlen token stream, runs the model over
-the paged KV cache and samples one token for each request that caught up.
+"""Model runner: applies each step plan to its rows, flattens the scheduled tokens into one
+varlen stream (decodes first), runs the model over the paged KV cache, and returns the sampled
+tokens as plain data (engine.step_plan.RunnerOutput).
 """
 
 from __future__ import annotations
@@ -12,9 +13,17 @@ import torch
 
 from engine.forward_context import ForwardContext, forward_context
 from engine.models.llama import LlamaForCausalLM
-from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput, position_logprobs
-from engine.scheduler import SchedulerOutput
+from engine.runner_rows import Row, RowStates
+from engine.sampler import Sampler, position_logprobs
+from engine.step_plan import (
+    BlockCopy,
+    CopyKind,
+    DraftProposals,
+    RunnerOutput,
+    Sampled,
+    StepPlan,
+    decode_first,
+)
 from ipc.messages import PositionLogprobs
 from kernels import AttentionMetadata
 
@@ -44,6 +53,7 @@ class ModelRunner:
         self.sampler = sampler
         self.backend = backend
         self.device = device
+        self.states = RowStates(self.max_blocks_per_seq, device)
         self.kv_caches, self.cpu_caches = _caches(model.cfg, num_blocks, block_size,
                                                   num_cpu_blocks, kv_dtype, device)
         model.init_rope(max_model_len, device)
@@ -62,137 +72,151 @@ class ModelRunner:
         k = self.kv_caches[0][0]
         return 2 * len(self.kv_caches) * k[0].numel() * k.element_size()
 
+    def _apply_plan(self, plan: StepPlan) -> None:
+        """The plan's request entries and block copies, once per plan (propose and execute
+        both come here first)."""
+        if plan.step == self.states.applied_step:
+            return
+        self.states.apply(plan)
+        self._copy_blocks(plan.block_copies)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> SamplerOutput | None:
-        self._copy_blocks(out.block_copies)
-        if out.empty:
-            return None
-        if out.drafts:
-            self._propose(out.drafts)
-        items = [(r, (r.all_token_ids + r.spec_token_ids)[r.num_computed_tokens:][:n])
-                 for r, n in out.scheduled]
+    def propose(self, plan: StepPlan) -> DraftProposals:
+        """Phase one of a self-draft step: the draft's tokens for each of plan.self_drafts."""
+        self._apply_plan(plan)
+        rows = self.states.rows
+        drafts = [(rows[key], gamma) for key, gamma in plan.self_drafts.items()]
+        return DraftProposals(self._propose(drafts) if drafts else {})
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        self._apply_plan(plan)
+        if plan.empty:
+            return RunnerOutput()
+        self.states.set_step_inputs(plan)
+        rows = [self.states.rows[key] for key in decode_first(plan)]
+        counts = plan.num_scheduled_tokens
+        items = [(r, (r.token_ids + r.spec_token_ids)[r.num_computed_tokens:][:counts[r.key]])
+                 for r in rows]
         input_ids, positions, meta, last = self._prepare(items)
         with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
             hidden = self.model(input_ids, positions)
         if self.draft.own_cache:  # NOTE: the draft model computes what the target did
             with forward_context(ForwardContext(meta, self.draft.kv_caches, self.backend)):
                 self.draft.model(input_ids, positions)
-        prompt = self._prompt_logprobs(out, hidden, last)
-        if not out.sampling:
-            return SamplerOutput([], [], prompt_logprobs=prompt) if prompt else None
-        result = self._sample(out, hidden, last)
-        result.prompt_logprobs = prompt
-        return result
+        prompt = self._prompt_logprobs(plan, hidden, last)
+        sampled = self._sample(plan, hidden, last) if plan.sampling else {}
+        return RunnerOutput(sampled, prompt)
 
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
-                         last: dict[int, int]) -> list[tuple[Request, list[PositionLogprobs]]]:
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor,
+                         last: dict[str, int]) -> dict[str, list[PositionLogprobs]]:
         """Logprobs of the prompt tokens this step's positions predict, for requests that
         asked (position i's logits give prompt token i + 1)."""
-        found = []
-        for req, n in out.scheduled:
-            positions = req.prompt_logprob_positions(req.num_computed_tokens, n)
-            if not positions:
-                continue
-            row0 = last[id(req)] - n + 1 - req.num_computed_tokens  # the row of position 0
-            tokens = req.all_token_ids
-            k = req.sampling.prompt_logprobs
+        found = {}
+        for key, span in plan.prompt_logprobs.items():
+            row = self.states.rows[key]
+            n = plan.num_scheduled_tokens[key]
+            row0 = last[key] - n + 1 - row.num_computed_tokens  # the row of position 0
+            tokens = row.token_ids
             computed: list[PositionLogprobs] = []
-            for start in range(positions.start, positions.stop, _PROMPT_LOGITS_ROWS):
-                span = range(start, min(start + _PROMPT_LOGITS_ROWS, positions.stop))
-                rows = torch.tensor([row0 + p for p in span], device=self.device)
-                targets = torch.tensor([tokens[p + 1] for p in span], device=self.device)
-                logits = self.model.compute_logits(hidden[rows])
-                computed += position_logprobs(logits, targets, [k] * len(span))  # type: ignore[arg-type]
-            found.append((req, computed))
+            for start in range(span.start, span.stop, _PROMPT_LOGITS_ROWS):
+                positions = range(start, min(start + _PROMPT_LOGITS_ROWS, span.stop))
+                idx = torch.tensor([row0 + p for p in positions], device=self.device)
+                targets = torch.tensor([tokens[p + 1] for p in positions], device=self.device)
+                logits = self.model.compute_logits(hidden[idx])
+                computed += position_logprobs(logits, targets, [span.k] * len(positions))  # type: ignore[arg-type]
+            found[key] = computed
         return found
 
-    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, last: dict[int, int]):
-        """Sample plain requests in one batch; verify each speculating request's drafts."""
-        plain = [i for i, r in enumerate(out.sampling) if not r.spec_token_ids]
-        rows = [last[id(out.sampling_rows[i])] for i in plain]
+    def _sample(self, plan: StepPlan, hidden: torch.Tensor,
+                last: dict[str, int]) -> dict[str, Sampled]:
+        """Sample plain rows in one batch; verify each speculating row's drafts."""
+        rows = [self.states.rows[r.key] for r in plan.sampling]
+        plain = [i for i, r in enumerate(rows) if not r.spec_token_ids]
+        hidden_rows = [last[plan.sampling[i].logits_key] for i in plain]
         spans = []  # (index, first row): gamma + 1 positions from the last real token
-        for i, r in enumerate(out.sampling):
+        for i, r in enumerate(rows):
             if r.spec_token_ids:
-                spans.append((i, len(rows)))
-                end = last[id(r)]
-                rows.extend(range(end - len(r.spec_token_ids), end + 1))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        result = self.sampler(logits[: len(plain)], [out.sampling[i] for i in plain])
-        tokens = dict(zip(plain, result.token_ids, strict=True))
-        logprobs = dict(zip(plain, result.logprobs, strict=True))
-        accepted: dict[int, list[int]] = {}
+                spans.append((i, len(hidden_rows)))
+                end = last[r.key]
+                hidden_rows.extend(range(end - len(r.spec_token_ids), end + 1))
+        idx = torch.tensor(hidden_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[idx])
+        result = self.sampler(logits[: len(plain)], [rows[i] for i in plain])
+        out: dict[str, Sampled] = {}
+        for i, token, logprobs in zip(plain, result.token_ids, result.logprobs, strict=True):
+            out[rows[i].key] = Sampled(token, [], logprobs)
         for i, start in spans:
-            r = out.sampling[i]
+            r = rows[i]
             block = logits[start : start + len(r.spec_token_ids) + 1]
-            accepted[i], tokens[i] = self.sampler.verify(block, r)
-        n = len(out.sampling)
-        return SamplerOutput([tokens[i] for i in range(n)], [logprobs.get(i) for i in range(n)],
-                             [accepted.get(i, []) for i in range(n)])
+            accepted, token = self.sampler.verify(block, r)
+            out[r.key] = Sampled(token, accepted, None)
+        return {r.key: out[r.key] for r in rows}
 
-    def _propose(self, drafts: list[tuple[Request, int]]) -> None:
-        """Propose each request's draft tokens, one draft forward per position.
+    def _propose(self, drafts: list[tuple[Row, int]]) -> dict[str, list[int]]:
+        """Propose each row's draft tokens, one draft forward per position; their draft
+        probabilities stay on the row for verification.
 
         NOTE: the self draft's layers are the target's, so it shares the target's KV cache:
         what it writes for accepted positions the target writes again when it verifies them.
         """
         draft = self.draft
-        reqs = [r for r, _ in drafts]
-        cur = [r.all_token_ids[-1] for r in reqs]  # the newest token, not yet in the cache
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        tokens: list[list[int]] = [[] for _ in reqs]
+        rows = [r for r, _ in drafts]
+        cur = [r.token_ids[-1] for r in rows]  # the newest token, not yet in the cache
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        tokens: list[list[int]] = [[] for _ in rows]
         for j in range(max(g for _, g in drafts)):
             active = [i for i, (_, g) in enumerate(drafts) if g > j]
-            items = [(reqs[i], [cur[i]]) for i in active]
+            items = [(rows[i], [cur[i]]) for i in active]
             input_ids, positions, meta, last = self._prepare(items, offset=j)
             with forward_context(ForwardContext(meta, draft.kv_caches, self.backend)):
                 hidden = draft.model(input_ids, positions, num_layers=draft.num_layers)
             logits = draft.model.compute_logits(hidden)
             for row, i in enumerate(active):
-                s = reqs[i].sampling
+                s = rows[i].sampling
                 if s.greedy:
                     token = int(logits[row].argmax())
                 else:
                     p = self.sampler.probs(logits[row : row + 1], [s])[0]
-                    token = int(torch.multinomial(p, 1, generator=reqs[i].generator
+                    token = int(torch.multinomial(p, 1, generator=rows[i].generator
                                                   or self.sampler.generator))
                     probs[i].append(p)
                 tokens[i].append(token)
                 cur[i] = token
-        for i, r in enumerate(reqs):
-            r.spec_token_ids = tokens[i]
+        for i, r in enumerate(rows):
             r.spec_draft_probs = torch.stack(probs[i]) if probs[i] else None
+        return {r.key: tokens[i] for i, r in enumerate(rows)}
 
-    def _copy_blocks(self, copies: list[tuple[str, int, int]]) -> None:
+    def _copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Run swap-out, swap-in and copy-on-write copies in the order they were decided."""
-        if copies and hasattr(self.model, "copy_blocks"):
-            self.model.copy_blocks(copies)  # NOTE: tensor-parallel workers copy their shards
         start = 0
         while start < len(copies):
-            kind = copies[start][0]
+            kind = copies[start].kind
             end = start
-            while end < len(copies) and copies[end][0] == kind:
+            while end < len(copies) and copies[end].kind == kind:
                 end += 1
             # NOTE: within a run of one kind no copy reads another's destination, so a run
             # can go as one indexed copy per layer.
-            src = torch.tensor([c[1] for c in copies[start:end]])
-            dst = torch.tensor([c[2] for c in copies[start:end]])
+            src = torch.tensor([c.src for c in copies[start:end]])
+            dst = torch.tensor([c.dst for c in copies[start:end]])
             sets = [(self.kv_caches, self.cpu_caches)]
             if self.draft.own_cache:
                 sets.append((self.draft.kv_caches, self.draft.cpu_caches))
             for gpu, cpu in sets:
-                pools = {"gpu_to_gpu": (gpu, gpu), "gpu_to_cpu": (gpu, cpu),
-                         "cpu_to_gpu": (cpu, gpu)}[kind]
+                pools = {CopyKind.GPU_TO_GPU: (gpu, gpu), CopyKind.GPU_TO_CPU: (gpu, cpu),
+                         CopyKind.CPU_TO_GPU: (cpu, gpu)}[kind]
                 for (src_k, src_v), (dst_k, dst_v) in zip(*pools, strict=True):
                     for src_cache, dst_cache in ((src_k, dst_k), (src_v, dst_v)):
                         rows = src_cache[src.to(src_cache.device)]
                         dst_cache[dst.to(dst_cache.device)] = rows.to(dst_cache.device)
             start = end
 
-    def _prepare(self, items: list[tuple[Request, list[int]]], offset: int = 0):
-        """One varlen batch: each request's new tokens, starting at num_computed + offset.
+    def _prepare(self, items: list[tuple[Row, list[int]]], offset: int = 0):
+        """One varlen batch: each row's new tokens, starting at num_computed + offset (rows
+        come decodes first).
 
-        Returns input ids, positions, attention metadata, and {id(request): index of its last
-        token in the batch}.
+        Returns input ids, positions, attention metadata, and {key: index of its last token in
+        the batch}.
         """
         reqs = [r for r, _ in items]
         query_lens = np.array([len(t) for _, t in items], dtype=np.int64)
@@ -207,17 +231,12 @@ class ModelRunner:
         positions = np.arange(num_tokens) - qsl[:-1][seq_of_token] + computed[seq_of_token]
 
         max_blocks = -(-int(seq_lens.max()) // self.block_size)
-        tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
-        for i, r in enumerate(reqs):
-            tables[i, : len(r.block_ids)] = r.block_ids[:max_blocks]
-        # NOTE: blocks released behind a sliding window (NULL_BLOCK) read as block 0: a valid
-        # id, always masked out
-        np.maximum(tables, 0, out=tables)
+        tables = self.states.tables(reqs, max_blocks)
         slots = (tables[seq_of_token, positions // self.block_size] * self.block_size
                  + positions % self.block_size)
 
         num_decodes = int(np.count_nonzero(query_lens == 1))
-        last_token = {id(r): int(qsl[i + 1]) - 1 for i, r in enumerate(reqs)}
+        last_token = {r.key: int(qsl[i + 1]) - 1 for i, r in enumerate(reqs)}
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.from_numpy(qsl).to(dev, torch.int32),

@@ -7,29 +7,41 @@ one (from the request's own generator), so a seed gives the same tokens in any b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from engine import spec_decode
-from engine.request import Request
 from ipc.messages import PositionLogprobs, TokenLogprob
 from ipc.sampling import SamplingParams
 
 
+class SamplingRow(Protocol):
+    """What the sampler reads of a row (engine.runner_rows.Row is the one implementation)."""
+
+    sampling: SamplingParams
+    generator: torch.Generator | None  # its own seeded generator, or None: the shared one
+    spec_token_ids: list[int]  # drafts to verify (verify only)
+    spec_draft_probs: torch.Tensor | None  # [gamma, vocab], None: one-hot drafts
+    grammar_mask: np.ndarray | None  # int32 [rows, ceil(vocab / 32)] allowed-token bits
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+Rows = Sequence[SamplingRow]
+
+
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]  # one per sampled request
-    logprobs: list[PositionLogprobs | None]  # per request, when it asked for logprobs
-    # per request, the draft tokens verification kept (before token_ids[i]); [] without drafts
-    accepted: list[list[int]] = field(default_factory=list)
-    # (request, logprobs of the prompt tokens its positions this step predicted), in order
-    prompt_logprobs: list[tuple[Request, list[PositionLogprobs]]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.accepted:
-            self.accepted = [[] for _ in self.token_ids]
+    token_ids: list[int]  # one per sampled row
+    logprobs: list[PositionLogprobs | None]  # per row, when it asked for logprobs
 
 
 class Sampler:
@@ -37,9 +49,8 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self._masker = None  # a Masker, built on the first request with a grammar
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: Rows) -> SamplerOutput:
         """logits: [len(requests), vocab] float32 -> one token per request."""
         raw = logits
         logits = self._apply_logit_bias(logits, requests)
@@ -52,7 +63,7 @@ class Sampler:
 
     # ---- logits processing -----------------------------------------------------------------
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, requests: Rows) -> torch.Tensor:
         rows = [i for i, r in enumerate(requests) if _has_penalty(r)]
         if not rows:
             return logits
@@ -74,7 +85,7 @@ class Sampler:
             logits[i] = row
         return logits
 
-    def _apply_logit_bias(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _apply_logit_bias(self, logits: torch.Tensor, requests: Rows) -> torch.Tensor:
         rows = [i for i, r in enumerate(requests) if r.sampling.logit_bias]
         if not rows:
             return logits
@@ -84,7 +95,7 @@ class Sampler:
             logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
         return logits
 
-    def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _apply_min_tokens(self, logits: torch.Tensor, requests: Rows) -> torch.Tensor:
         rows = [i for i, r in enumerate(requests) if r.num_output_tokens < r.sampling.min_tokens]
         if not rows:
             return logits
@@ -96,33 +107,30 @@ class Sampler:
                 logits[i, banned] = float("-inf")
         return logits
 
-    def _apply_grammar(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _apply_grammar(self, logits: torch.Tensor, requests: Rows) -> torch.Tensor:
         """Tokens the request's grammar does not allow next go to -inf, before any sampling
         rule (greedy too)."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        rows = [i for i, r in enumerate(requests) if r.grammar_mask is not None]
         if not rows:
             return logits
-        masker = self.masker(logits.shape[1])
-        masked = masker.apply(logits, rows, [requests[i].grammar for i in rows])
-        for row in rows:
+        masks = np.concatenate([requests[i].grammar_mask[:1] for i in rows])  # type: ignore[index]
+        allowed = allowed_tokens(masks, logits.shape[1]).to(logits.device)
+        idx = torch.tensor(rows, device=logits.device)
+        grammar_only = logits[idx].masked_fill(~allowed, float("-inf"))
+        masked = logits.clone()
+        masked[idx] = grammar_only
+        for j, row in enumerate(rows):
             r = requests[row]
             if r.num_output_tokens < r.sampling.min_tokens and bool(
                     torch.isneginf(masked[row]).all()):
                 # NOTE: min_tokens banned the only tokens the grammar allows (its end): the
                 # grammar wins, or the row would have nothing to sample.
-                masked[row] = masker.apply(logits[row : row + 1], [0], [r.grammar])[0]
+                masked[row] = grammar_only[j]
         return masked
-
-    def masker(self, vocab_size: int):
-        from engine.structured.backend import Masker  # NOTE: llguidance, lazily
-
-        if self._masker is None or self._masker.vocab_size != vocab_size:
-            self._masker = Masker(vocab_size)
-        return self._masker
 
     # ---- sampling ------------------------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: Rows) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling.greedy]
         if not random_rows:
@@ -154,48 +162,48 @@ class Sampler:
             probs = probs / probs.sum(-1, keepdim=True)
         return probs
 
-    def verify(self, logits: torch.Tensor, req: Request) -> tuple[list[int], int]:
+    def verify(self, logits: torch.Tensor, req: SamplingRow) -> tuple[list[int], int]:
         """Check req.spec_token_ids against the target's logits at their positions.
 
         logits: [gamma + 1, vocab]; returns (the accepted drafts, the token after them).
         """
         s = req.sampling
-        if req.grammar is not None:
-            logits = self._mask_drafts(logits, req)
+        if req.grammar_mask is not None:
+            logits = self._mask_drafts(logits, req.grammar_mask)
         target = logits if s.greedy else self.probs(logits, [s] * logits.shape[0])
         draft = req.spec_token_ids
         n, token = spec_decode.verify(draft, target, req.spec_draft_probs, s.greedy,
                                       req.generator or self.generator)
         return draft[:n], token
 
-    def _mask_drafts(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
-        """Mask each verified position with the grammar's state after the drafts before it.
+    def _mask_drafts(self, logits: torch.Tensor, mask: np.ndarray) -> torch.Tensor:
+        """Mask each verified position with the grammar's state after the drafts before it
+        (mask row i).
 
         Rows past the first draft the grammar refuses stay unmasked: that draft has
         probability 0 under its masked row, so verification stops there.
         """
-        matcher, draft = req.grammar, req.spec_token_ids
-        assert matcher is not None
-        masker = self.masker(logits.shape[1])
-        valid = matcher.valid_prefix(draft)
-        bitmask = np.empty((valid + 1, masker.words), dtype=np.int32)
-        for i in range(valid + 1):
-            matcher.fill(bitmask, i)
-            if i < valid:
-                matcher.accept(draft[i])
-        matcher.rollback(valid)  # NOTE: the kept tokens are consumed again when appended
-        allowed = masker.allowed(bitmask).to(logits.device)
+        rows = mask.shape[0]
+        allowed = allowed_tokens(mask, logits.shape[1]).to(logits.device)
         logits = logits.clone()
-        logits[: valid + 1] = logits[: valid + 1].masked_fill(~allowed, float("-inf"))
+        logits[:rows] = logits[:rows].masked_fill(~allowed, float("-inf"))
         return logits
 
     def _logprobs(
-        self, raw: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]
+        self, raw: torch.Tensor, token_ids: torch.Tensor, requests: Rows
     ) -> list[PositionLogprobs | None]:
         wanted = [_logprobs_wanted(r) for r in requests]
         if all(n is None for n in wanted):
             return [None] * len(requests)
         return position_logprobs(raw, token_ids, wanted)
+
+
+def allowed_tokens(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """bool [rows, vocab] from an int32 allowed-token bitmask [rows, ceil(vocab / 32)]."""
+    # NOTE: little-endian bit order within each int32 word = token order within bytes
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1,
+                         bitorder="little")
+    return torch.from_numpy(bits[:, :vocab_size]).view(torch.bool)
 
 
 def position_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
@@ -221,7 +229,7 @@ def position_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
     return out
 
 
-def _logprobs_wanted(r: Request) -> int | None:
+def _logprobs_wanted(r: SamplingRow) -> int | None:
     s = r.sampling
     if s.use_beam_search:
         return 2 * s.n  # NOTE: 2k candidates per beam always leave k that do not end
@@ -230,7 +238,7 @@ def _logprobs_wanted(r: Request) -> int | None:
     return s.logprobs
 
 
-def _has_penalty(r: Request) -> bool:
+def _has_penalty(r: SamplingRow) -> bool:
     s = r.sampling
     return bool(s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty)
 

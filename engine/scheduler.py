@@ -9,13 +9,22 @@ import bisect
 import heapq
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine import beam_search, spec_decode
+from engine.grammar_masks import GrammarMasks
 from engine.kv_manager import KVCacheManager, held
+from engine.plan_mirror import RunnerMirror
 from engine.preemption import SWAP, PreemptionCost
 from engine.request import Request, RequestStatus
-from engine.sampler import SamplerOutput
+from engine.step_plan import (
+    DraftProposals,
+    PromptLogprobsSpan,
+    RunnerOutput,
+    SampleRow,
+    StepPlan,
+    decode_first,
+)
 from ipc.messages import RequestMetrics, TokenDelta
 
 
@@ -33,34 +42,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     spec: SpecConfig | None = None
-
-
-@dataclass
-class SchedulerOutput:
-    """The scheduler -> runner contract for one step."""
-
-    # (request, number of new tokens to compute), requests with one new token first
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    # requests that sample one token this step: those whose scheduled tokens complete them,
-    # each followed by the choices forked from it (which sample from the same logits)
-    sampling: list[Request] = field(default_factory=list)
-    # for each entry of `sampling`, the scheduled request whose last hidden state it samples
-    sampling_rows: list[Request] = field(default_factory=list)
-    # block copies to run before the forward, in order: (kind, src, dst) with kind one of
-    # "gpu_to_cpu" (swap out), "cpu_to_gpu" (swap in), "gpu_to_gpu" (copy-on-write)
-    block_copies: list[tuple[str, int, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # requests whose draft tokens the runner proposes before the forward (self draft), with
-    # gamma each; their spec_token_ids hold placeholders until then
-    drafts: list[tuple[Request, int]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
+    vocab_size: int | None = None  # the logits' width: grammar masks need it
 
 
 @dataclass
@@ -91,6 +73,10 @@ class Scheduler:
         self.beam_finished: dict[str, list[beam_search.Hypothesis]] = {}  # ended hypotheses
         self.preemptions = PreemptionStats()
         self.spec_stats = spec_decode.SpecStats()
+        self._by_key: dict[str, Request] = {}  # every live choice by its key
+        self._mirror = RunnerMirror(kv)
+        self._masks = GrammarMasks(config.vocab_size or 0)
+        self._step = 0
 
     # ---- queue ---------------------------------------------------------------------------
 
@@ -105,9 +91,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.groups)
 
+    def is_live(self, key: str) -> bool:
+        """A choice with this key is queued or running (its key is taken)."""
+        return key in self._by_key
+
     def add(self, request: Request) -> None:
         """Queue a request; its other choices (request.children) fork after its prompt."""
         self.groups[request.request_id] = [request, *request.children]
+        for choice in self.groups[request.request_id]:
+            self._by_key[choice.key] = choice
         if request.pending_grammar is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self._compiling.append(request)  # NOTE: the next step queues it (or ends it)
@@ -157,19 +149,34 @@ class Scheduler:
 
     # ---- schedule --------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
-            budget = self._swap_in(out, budget)
+    def schedule(self) -> StepPlan:
+        self._step += 1
+        plan = StepPlan(self._step)
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        if not plan.preempted_keys:
+            budget = self._swap_in(plan, budget)
             if not self.swapped:
-                self._admit_waiting(out, budget)
-        out.scheduled.sort(key=lambda item: item[1] != 1)  # one-token queries first
-        self._plan_sampling(out)
-        out.block_copies = self.kv.take_pending_copies()
-        return out
+                self._admit_waiting(plan, budget)
+        self._plan_sampling(plan)
+        self._plan_prompt_logprobs(plan)
+        self._plan_masks(plan, [r.key for r in plan.sampling if r.key not in plan.self_drafts])
+        keys = dict.fromkeys([*plan.num_scheduled_tokens, *(r.key for r in plan.sampling)])
+        for key in keys:
+            self._mirror.add_to(plan, self._by_key[key])
+        plan.block_copies = self.kv.take_pending_copies()
+        plan.finished_keys = self._mirror.take_finished()
+        return plan
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def attach_drafts(self, plan: StepPlan, proposals: DraftProposals) -> None:
+        """The second phase of a self-draft step: the runner's proposals become the plan's
+        draft tokens (with their grammar masks), verified by the same plan's execute."""
+        for key, drafts in proposals.token_ids.items():
+            assert len(drafts) == plan.self_drafts[key], "the runner proposes gamma tokens"
+            self._by_key[key].spec_token_ids = list(drafts)
+            plan.spec_token_ids[key] = list(drafts)
+        self._plan_masks(plan, [r.key for r in plan.sampling if r.key in plan.self_drafts])
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -178,25 +185,26 @@ class Scheduler:
                 i += 1
                 continue
             if n == 1 and budget > 1:
-                n += self._plan_speculation(req, budget - 1, out)
-            if not self._allocate_or_preempt(req, n, out):
-                out.drafts = [d for d in out.drafts if d[0] is not req]
+                n += self._plan_speculation(req, budget - 1, plan)
+            if not self._allocate_or_preempt(req, n, plan):
+                plan.self_drafts.pop(req.key, None)
+                plan.spec_token_ids.pop(req.key, None)
                 break  # req itself was preempted: it was the last one
-            out.scheduled.append((req, n))
+            plan.num_scheduled_tokens[req.key] = n
             budget -= n
             i += 1
         return budget
 
-    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, req: Request, n: int, plan: StepPlan) -> bool:
         while not self.kv.allocate_slots(req, n):
             victim = self.running[-1]  # lowest priority, newest
             self._preempt(victim)
-            out.preempted.append(victim)
+            plan.preempted_keys.append(victim.key)
             if victim is req:
                 return False
         return True
 
-    def _plan_speculation(self, req: Request, room: int, out: SchedulerOutput) -> int:
+    def _plan_speculation(self, req: Request, room: int, plan: StepPlan) -> int:
         """Draft tokens for a decoding request (0 when it does not speculate now)."""
         spec = self.config.spec
         if spec is None or not _can_speculate(req):
@@ -208,24 +216,27 @@ class Scheduler:
         gamma = min(spec_decode.next_gamma(req, spec.num_tokens), room, left)
         if gamma <= 0:
             return 0
-        if spec.method == "ngram":
-            drafts = spec_decode.ngram_propose(
-                req.all_token_ids, gamma, spec.lookup_max, spec.lookup_min)
-            if req.grammar is not None:
-                # NOTE: a lookup proposal is a function of the context alone, so cutting it
-                # where the grammar would refuse it keeps verification exact.
-                drafts = drafts[: req.grammar.valid_prefix(drafts)]
-            req.spec_token_ids = drafts
-        else:
-            req.spec_token_ids = [0] * gamma  # placeholders: the runner drafts them
-            out.drafts.append((req, gamma))
-        return len(req.spec_token_ids)
+        if spec.method != "ngram":
+            # NOTE: the runner's draft proposes them in the first phase of this step
+            # (Runner.propose, then attach_drafts): no placeholder tokens here
+            plan.self_drafts[req.key] = gamma
+            return gamma
+        drafts = spec_decode.ngram_propose(req.all_token_ids, gamma, spec.lookup_max,
+                                           spec.lookup_min)
+        if req.grammar is not None:
+            # NOTE: a lookup proposal is a function of the context alone, so cutting it
+            # where the grammar would refuse it keeps verification exact.
+            drafts = drafts[: req.grammar.valid_prefix(drafts)]
+        req.spec_token_ids = drafts
+        if drafts:
+            plan.spec_token_ids[req.key] = list(drafts)
+        return len(drafts)
 
-    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+    def _swap_in(self, plan: StepPlan, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            blocks = len(held(req.cpu_block_ids))
+            blocks = len(held(self.kv.cpu_block_ids(req.key)))
             if self.kv.blocks_to_swap_in(req, n) > self.kv.num_free_blocks:
                 break
             # NOTE: explicit checks, not asserts: these calls do the work (`python -O`
@@ -234,11 +245,11 @@ class Scheduler:
                 raise RuntimeError(f"swap-in of {req.request_id!r} found no room after the check")
             self.preemptions.swap_in_blocks += blocks
             self.swapped.pop(0)
-            self._start(req, n, out)
+            self._start(req, n, plan)
             budget -= n
         return budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self._waiting and budget > 0:
             req = self._waiting[0][1]
             width = 1 + len(req.children)  # forked choices will run too
@@ -258,36 +269,64 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
             req.num_recomputed_tokens += max(0, req.num_lost_tokens - num_cached)
             req.num_lost_tokens = 0
-            self._start(req, n, out)
+            self._start(req, n, plan)
             budget -= n
 
-    def _start(self, req: Request, n: int, out: SchedulerOutput) -> None:
+    def _start(self, req: Request, n: int, plan: StepPlan) -> None:
         if req.scheduled_time is None:
             req.scheduled_time = time.time()
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=lambda r: r.sort_key)
-        out.scheduled.append((req, n))
+        plan.num_scheduled_tokens[req.key] = n
 
-    def _plan_sampling(self, out: SchedulerOutput) -> None:
-        for req, n in out.scheduled:
-            if req.num_computed_tokens + n != req.num_tokens + len(req.spec_token_ids):
+    def _plan_sampling(self, plan: StepPlan) -> None:
+        """Who samples: requests whose scheduled tokens complete them, each followed by the
+        choices forked from it (n > 1: they sample from its logits), in the runner's order."""
+        for key in decode_first(plan):
+            req = self._by_key[key]
+            drafts = len(plan.spec_token_ids.get(key, ())) or plan.self_drafts.get(key, 0)
+            computed = req.num_computed_tokens + plan.num_scheduled_tokens[key]
+            if computed != req.num_tokens + drafts:
                 continue  # a prefill chunk that does not reach the end yet
-            out.sampling.append(req)
-            out.sampling_rows.append(req)
+            plan.sampling.append(SampleRow(key, key))
             for child in req.children:  # n > 1: the choices fork from the finished prompt
-                out.sampling.append(child)
-                out.sampling_rows.append(req)
+                plan.sampling.append(SampleRow(child.key, key))
+
+    def _plan_prompt_logprobs(self, plan: StepPlan) -> None:
+        for key, n in plan.num_scheduled_tokens.items():
+            req = self._by_key[key]
+            span = req.prompt_logprob_positions(req.num_computed_tokens, n)
+            if span:
+                k = req.sampling.prompt_logprobs
+                assert k is not None
+                plan.prompt_logprobs[key] = PromptLogprobsSpan(span.start, span.stop, k)
+
+    def _plan_masks(self, plan: StepPlan, keys: list[str]) -> None:
+        """The grammar's allowed tokens at each sampling position of these choices."""
+        plain, with_drafts = [], []
+        for key in keys:
+            req = self._by_key[key]
+            if req.grammar is not None:
+                (with_drafts if req.spec_token_ids else plain).append(req)
+        if plain:
+            masks = self._masks.plain([r.grammar for r in plain])  # type: ignore[misc]
+            plan.grammar_masks.update((r.key, m) for r, m in zip(plain, masks, strict=True))
+        for req in with_drafts:
+            assert req.grammar is not None
+            plan.grammar_masks[req.key] = self._masks.with_drafts(req.grammar,
+                                                                  req.spec_token_ids)
 
     def _preempt(self, req: Request) -> None:
         self._drop_speculation(req)
         self.running.remove(req)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
-        choice = self.preemption.choose(
-            len(held(req.block_ids)), req.num_computed_tokens, self.kv.can_swap_out(req))
+        blocks = len(held(self.kv.block_ids(req.key)))
+        choice = self.preemption.choose(blocks, req.num_computed_tokens,
+                                        self.kv.can_swap_out(req))
         if choice == SWAP:
             self.preemptions.swap += 1
-            self.preemptions.swap_out_blocks += len(held(req.block_ids))
+            self.preemptions.swap_out_blocks += blocks
             self.kv.swap_out(req)
             bisect.insort(self.swapped, req, key=lambda r: r.sort_key)
             return
@@ -301,30 +340,34 @@ class Scheduler:
 
     # ---- update ----------------------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> list[TokenDelta]:
+    def update(self, plan: StepPlan, output: RunnerOutput | None) -> list[TokenDelta]:
         """Advance progress, fork choices, append sampled tokens, finish what stopped."""
-        for req, n in out.scheduled:
+        scheduled = [self._by_key[key] for key in plan.num_scheduled_tokens]
+        for req, n in zip(scheduled, plan.num_scheduled_tokens.values(), strict=True):
             req.num_computed_tokens += n
-        if sampled is not None:
-            self._settle_speculation(out, sampled)
-        for req, _ in out.scheduled:
+        if output is not None:
+            self._settle_speculation(plan, output)
+        for req in scheduled:
             self.kv.cache_full_blocks(req)
-        if sampled is None:
+        if output is None:
             return []
-        for req, positions in sampled.prompt_logprobs:
-            req.prompt_logprobs.extend(positions)  # type: ignore[union-attr]
-        for req, row in zip(out.sampling, out.sampling_rows, strict=True):
-            if req is not row:  # fork every choice before any of them may finish
-                self._fork(row, req)
+        for key, positions in output.prompt_logprobs.items():
+            self._by_key[key].prompt_logprobs.extend(positions)  # type: ignore[union-attr]
+        rows = [(self._by_key[r.key], self._by_key[r.logits_key]) for r in plan.sampling]
+        for req, parent in rows:
+            if req is not parent:  # fork every choice before any of them may finish
+                self._fork(parent, req)
         deltas = []
         beam_groups: set[str] = set()
-        for req, token, logprobs, accepted in zip(out.sampling, sampled.token_ids,
-                                                  sampled.logprobs, sampled.accepted, strict=True):
+        for req, _ in rows:
+            sampled = output.sampled[req.key]
+            token, logprobs = sampled.token_id, sampled.logprobs
             req.children = []
-            if accepted:
-                deltas.append(self._append_accepted(req, accepted + [token]))
+            if sampled.accepted:
+                deltas.append(self._append_accepted(req, sampled.accepted + [token]))
                 continue
             if req.sampling.use_beam_search:
+                assert logprobs is not None
                 req.beam_candidates = [(t.token_id, t.logprob) for t in logprobs.top]
                 beam_groups.add(req.request_id)
                 continue
@@ -339,6 +382,14 @@ class Scheduler:
         for rid in beam_groups:
             deltas += self._beam_step(rid)
         return deltas
+
+    def num_prompt_tokens_in(self, plan: StepPlan) -> int:
+        """Prompt tokens the plan computes (call before update)."""
+        total = 0
+        for key, n in plan.num_scheduled_tokens.items():
+            req = self._by_key[key]
+            total += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
+        return total
 
     # ---- beam search -----------------------------------------------------------------------
 
@@ -367,14 +418,15 @@ class Scheduler:
                 extra.append(c)  # a second continuation of one beam: fork a spare into it
             else:
                 keep[c.parent] = c
-        keepers = {id(beams[p]) for p in keep}
-        spares = [r for r in group if id(r) not in keepers]
+        keepers = {beams[p].key for p in keep}
+        spares = [r for r in group if r.key not in keepers]
         for r in spares:
             self._park(r)
         assigned = [(beams[p], c) for p, c in keep.items()]
         for c in extra:
             r = spares.pop()
             r.become_copy_of(beams[c.parent])
+            self._mirror.rewrite_tokens(r, r.num_prompt_tokens)
             self._fork(beams[c.parent], r)
             assigned.append((r, c))
         for r, c in assigned:
@@ -422,10 +474,11 @@ class Scheduler:
 
     # ---- speculative decoding ---------------------------------------------------------------
 
-    def _settle_speculation(self, out: SchedulerOutput, sampled: SamplerOutput) -> None:
+    def _settle_speculation(self, plan: StepPlan, output: RunnerOutput) -> None:
         """Roll back the KV of rejected drafts, count, and adapt each request's gamma."""
         spec = self.config.spec
-        for req, accepted in zip(out.sampling, sampled.accepted, strict=True):
+        for row in plan.sampling:
+            req, accepted = self._by_key[row.key], output.sampled[row.key].accepted
             proposed = len(req.spec_token_ids)
             if not proposed:
                 continue
@@ -453,7 +506,6 @@ class Scheduler:
 
     def _drop_speculation(self, req: Request) -> None:
         req.spec_token_ids = []
-        req.spec_draft_probs = None
 
     def _fork(self, parent: Request, child: Request) -> None:
         self.kv.fork(parent, child)
@@ -484,7 +536,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING_FOR_GRAMMAR:
             self._compiling.remove(req)
-        elif req.swapped:
+        elif self.kv.is_swapped(req.key):
             self.swapped.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and any(
             r is req for _, r in self._waiting
@@ -494,6 +546,8 @@ class Scheduler:
         req.status = status
         req.finished_time = time.time()
         self.kv.free(req)
+        self._mirror.finished(req.key)
+        del self._by_key[req.key]
         group = self.groups[req.request_id]
         group.remove(req)
         if not group:

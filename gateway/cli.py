@@ -125,6 +125,10 @@ def _add_engine_process_args(parser: argparse.ArgumentParser) -> None:
                        help="seconds without a heartbeat before the engine is declared dead")
     group.add_argument("--engine-startup-timeout", type=float, default=300.0,
                        help="seconds the first engine may take to become ready")
+    group.add_argument("--headless", action="store_true",
+                       help="run only this node's tensor-parallel ranks (--node-rank 1 and "
+                            "up), no gateway and no scheduler: they join node 0's engine at "
+                            "--master-addr:--master-port (docs/scale-out.md)")
     group.add_argument("--data-parallel-size", type=int, default=1,
                        help="engines (each with its own KV cache) behind this gateway, routed "
                             "by prefix cache then load; with --attach-engine, > 1 adopts every "
@@ -145,6 +149,12 @@ def check_args(ns: argparse.Namespace) -> EngineConfig:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
     if ns.data_parallel_size < 1:
         raise ValueError("--data-parallel-size must be >= 1")
+    if ns.node_rank > 0 and not ns.headless:
+        raise ValueError("--node-rank > 0 runs only tensor-parallel ranks: add --headless (node "
+                         "0 runs the gateway and the engine)")
+    if ns.nnodes > 1 and ns.data_parallel_size > 1:
+        raise ValueError("--data-parallel-size > 1 does not combine with --nnodes > 1: the "
+                         "engines would share one --master-port")
     if ns.attach_engine and not (ns.engine_input_addr and ns.engine_output_addr):
         raise ValueError("--attach-engine needs --engine-input-addr and --engine-output-addr")
     if ns.chat_template is not None and not Path(ns.chat_template).is_file():
@@ -155,7 +165,10 @@ def check_args(ns: argparse.Namespace) -> EngineConfig:
         if importlib.util.find_spec("opentelemetry.sdk") is None:
             raise ValueError("--otlp-traces-endpoint needs the OpenTelemetry SDK: "
                              "pip install 'pagedserve[otel]'")
-    return config_from_args(ns)
+    config = config_from_args(ns)
+    if ns.headless:
+        config.check_headless()
+    return config
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -167,9 +180,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     ns = parser.parse_args(args)
     try:
-        check_args(ns)
+        config = check_args(ns)
     except ValueError as exc:
         parser.exit(exit_codes.CONFIG_ERROR, f"pagedserve: error: {exc}\n")
+    if ns.headless:  # NOTE: no gateway here: exec the node's ranks, as `engine` is exec'd
+        os.execv(sys.executable, [sys.executable, "-m", "engine.parallel.headless",
+                                  *config.to_cli_args()])
     configure_logging(ns.log_level)
     import uvloop
 

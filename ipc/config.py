@@ -135,7 +135,24 @@ class EngineConfig:
     )
     tensor_parallel_size: int = field(
         default=1, metadata={"help": "ranks the model is split across, one process each "
-                                     "(NCCL on GPUs, gloo on CPU)"}
+                                     "(NCCL on GPUs, gloo on CPU), over all nodes"}
+    )
+    nnodes: int = field(
+        default=1, metadata={"help": "nodes the tensor-parallel ranks span (each runs "
+                                     "tensor_parallel_size / nnodes of them); node 0 runs "
+                                     "`serve`, the others `serve --headless`"}
+    )
+    node_rank: int = field(
+        default=0, metadata={"help": "this node's index in [0, nnodes); node 0 holds rank 0 "
+                                     "and the scheduler"}
+    )
+    master_addr: str = field(
+        default="127.0.0.1", metadata={"help": "address of node 0, where every rank meets "
+                                               "(torch.distributed rendezvous)"}
+    )
+    master_port: int | None = field(
+        default=None, metadata={"help": "TCP port of that rendezvous on node 0; needed when "
+                                        "nnodes > 1 (default: a free port, single node)"}
     )
 
     def __post_init__(self) -> None:
@@ -149,7 +166,8 @@ class EngineConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens",
-                  "tensor_parallel_size")
+                  "tensor_parallel_size", "nnodes")
+        self._check_nodes()
         _positive_or_none(self, "num_gpu_blocks", "max_model_len", "num_threads")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
@@ -181,6 +199,31 @@ class EngineConfig:
             raise ValueError("swap_space must be >= 0")
         if self.preemption_mode not in _PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {_PREEMPTION_MODES}")
+
+    def _check_nodes(self) -> None:
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes) = [0, {self.nnodes})")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a "
+                             f"multiple of nnodes ({self.nnodes}): each node runs as many ranks")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("master_port is needed when nnodes > 1 (every node must name the "
+                             "same rendezvous)")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError("master_port must be in [1, 65535]")
+        if not self.master_addr:
+            raise ValueError("master_addr must not be empty")
+
+    def check_headless(self) -> None:
+        """A headless node (no gateway, no scheduler) is one of nodes 1..nnodes-1."""
+        if self.node_rank == 0:
+            raise ValueError("node_rank: a headless node is one of nodes 1..nnodes-1; node 0 "
+                             "runs the engine (`pagedserve serve` or `pagedserve engine`)")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks on each node (node n holds ranks n * this ... + this - 1)."""
+        return self.tensor_parallel_size // self.nnodes
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)

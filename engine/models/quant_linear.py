@@ -192,8 +192,7 @@ def count_weights(model: nn.Module) -> int:
     """Parameters plus the weights held in quantized layers (a tied head's counted once)."""
     seen: set[int] = set()
     total = sum(p.numel() for p in model.parameters())
-    # NOTE: a tensor-parallel driver is no Module (its ranks hold the layers, never quantized)
-    for m in model.modules() if isinstance(model, nn.Module) else ():
+    for m in model.modules():
         parts = m.parts if isinstance(m, QuantLinear) else (
             [m.weight_q] if isinstance(m, QuantEmbedding) else [])
         for p in parts:

@@ -1,5 +1,6 @@
-"""The engine process's side of tensor parallelism: rank 0 runs in-process and stands in for
-the model in the runner; each of its calls is first written to the ring for ranks 1..N-1.
+"""The engine process's side of tensor parallelism: it starts this node's other ranks, joins
+the group as rank 0, and runs rank 0's ModelRunner behind TensorParallelRunner, which sends
+every plan to the other ranks before running it.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -16,88 +16,53 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.forward_context import get_forward_context
 from engine.models.config import ModelConfig, from_hf_config
-from engine.parallel import wire
+from engine.parallel import records
+from engine.parallel.group import Channel, Topology, join
 from engine.parallel.layers import TensorParallelLlama
-from engine.parallel.shm_ring import ShmRing
-from engine.parallel.worker import WorkerArgs, build_shard, init_distributed, worker_main
+from engine.parallel.worker import WorkerArgs, build_shard, start_workers
+from engine.runner import ModelRunner
+from engine.step_plan import DraftProposals, RunnerOutput, StepPlan
 from ipc import exit_codes
 from ipc.config import EngineConfig
 from ipc.model_source import ModelSource
 
 log = logging.getLogger("engine.parallel.driver")
-_RING_BYTES = 1 << 26  # 64 MiB: a 2048-token step's inputs are well under 1 MiB
 _DEATH_GRACE_S = 10.0  # after a worker dies: time for the step to fail by itself
 
 
-class TensorParallelModel:
-    """Rank 0's shard behind LlamaForCausalLM's interface, as the ModelRunner uses it."""
+class Ranks:
+    """Ranks 1..N-1 as rank 0 sees them: the channel to all of them, and this node's worker
+    processes (watched: a death ends the engine even if a collective would block)."""
 
-    def __init__(self, model: TensorParallelLlama, ring: ShmRing,
-                 procs: list[mp.process.BaseProcess], backend: str) -> None:
-        self.model, self.cfg = model, model.cfg  # NOTE: cfg is the shard's: KV cache per rank
-        self._ring, self._procs, self._backend = ring, procs, backend
+    def __init__(self, channel: Channel, procs: list[mp.process.BaseProcess]) -> None:
+        self._channel, self._procs = channel, procs
         self._stopping = False
         threading.Thread(target=self._watch_workers, name="tp-watchdog", daemon=True).start()
 
-    def parameters(self):
-        return self.model.parameters()
-
-    def init_rope(self, max_positions: int, device: torch.device) -> None:
-        self.model.init_rope(max_positions, device)
-
-    def start_workers(self, num_blocks: int, block_size: int, max_model_len: int,
-                      kv_dtype: torch.dtype, num_cpu_blocks: int) -> None:
-        """Workers build their runners (KV cache shards) with the engine's sizes."""
-        self._send("init", {"num_blocks": num_blocks, "block_size": block_size,
-                            "max_model_len": max_model_len, "backend": self._backend,
-                            "kv_dtype": str(kv_dtype).removeprefix("torch."),
-                            "num_cpu_blocks": num_cpu_blocks})
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 num_layers: int | None = None) -> torch.Tensor:
-        fields, tensors = wire.meta_to_wire(get_forward_context().attn_metadata)
-        self._send("forward", {**fields, "num_layers": num_layers},
-                   {**tensors, "input_ids": input_ids, "positions": positions})
-        kwargs = {} if num_layers is None else {"num_layers": num_layers}
-        return self.model(input_ids, positions, **kwargs)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self._send("logits", {}, {"hidden": hidden})
-        return self.model.compute_logits(hidden)
-
-    def copy_blocks(self, copies: list[tuple[str, int, int]]) -> None:
-        self._send("copy", {"copies": [list(c) for c in copies]})
+    def send(self, record: records.Record) -> None:
+        self._channel.send(records.encode(record))
 
     def shutdown(self) -> None:
         if self._stopping:
             return
         self._stopping = True
-        try:
-            self._send("stop", timeout=2.0)
-        except RuntimeError as exc:
-            log.warning("could not stop the workers cleanly: %s", exc)
+        if all(p.exitcode is None for p in self._procs):
+            try:
+                self.send(records.Stop())
+            except RuntimeError as exc:  # NOTE: a rank on another node may be gone
+                log.warning("could not stop the workers cleanly: %s", exc)
         for proc in self._procs:
             proc.join(timeout=5.0)
             if proc.is_alive():
                 proc.kill()
-        self._ring.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _send(self, op: str, fields: dict | None = None,
-              tensors: dict[str, torch.Tensor] | None = None, timeout: float | None = None):
-        self._ring.write(wire.encode(op, fields or {}, tensors or {}), self._workers_alive,
-                         timeout)
-
-    def _workers_alive(self) -> bool:
-        return all(p.exitcode is None for p in self._procs)
-
     def _watch_workers(self) -> None:
-        # NOTE: a worker's death normally fails the step (the ring or a collective raises) and
-        # the engine loop sends EngineDead; if a collective blocks instead, exit so the gateway
-        # sees the process end rather than a hang.
+        # NOTE: a worker's death normally fails the step (a broadcast or collective raises)
+        # and the engine loop sends EngineDead; if a collective blocks instead, exit so the
+        # gateway sees the process end rather than a hang.
         while not self._stopping:
             time.sleep(0.5)
             dead = [p for p in self._procs if p.exitcode is not None]
@@ -109,47 +74,69 @@ class TensorParallelModel:
                     os._exit(exit_codes.ENGINE_DIED)
 
 
+class TensorParallelRunner:
+    """Rank 0's runner under tensor parallelism: each call's plan goes to every other rank,
+    then runs here. Every rank runs the same ModelRunner over its shard and its KV caches, so
+    block copies and swaps run everywhere from the plan.
+
+    NOTE: collectives must match across ranks in count and order. They do because each rank
+    runs the same code on the same plan: per forward one all-reduce for the embedding and two
+    per layer; one all-gather per compute_logits call (each prompt-logprob chunk, the sampled
+    rows, each self-draft position). Every rank also samples: the logits are all-gathered
+    (the same bytes on every rank) and every generator is seeded alike (the engine seed,
+    request seeds), so each rank draws the same tokens, and a self draft's next input is the
+    same on every rank. Only rank 0's output is used.
+    """
+
+    def __init__(self, runner: ModelRunner, ranks: Ranks, init: records.RunnerInit) -> None:
+        self.runner, self.ranks = runner, ranks
+        ranks.send(init)
+
+    def propose(self, plan: StepPlan) -> DraftProposals:
+        self.ranks.send(records.Propose(plan))
+        return self.runner.propose(plan)
+
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        self.ranks.send(records.Execute(plan))
+        return self.runner.execute(plan)
+
+    def shutdown(self) -> None:
+        self.ranks.shutdown()
+
+
 # NOTE: the Llama layout with q/k/v and gate/up stored apart (the shard loader splits them)
 TP_ARCHITECTURES = {"llama", "smollm", "mistral", "qwen2", "qwen3"}
 
 
 def launch(config: EngineConfig, source: ModelSource, dtype: torch.dtype,
-           device: torch.device) -> tuple[TensorParallelModel, ModelConfig]:
-    """Start ranks 1..N-1, join the process group as rank 0, load rank 0's shard."""
-    size = config.tensor_parallel_size
+           device: torch.device) -> tuple[TensorParallelLlama, ModelConfig, Ranks]:
+    """Start this node's ranks 1..k-1, join the group as rank 0 (with the ranks of every other
+    node, started by `serve --headless`); rank 0's shard, the full config, the other ranks."""
+    if config.node_rank != 0:
+        raise ValueError("node_rank: the engine (the scheduler and rank 0) runs on node 0; "
+                         "run the other nodes with `pagedserve serve --headless`")
     cfg, files = checkpoint(source)
-    if cfg.architecture not in TP_ARCHITECTURES:
-        raise ValueError(f"tensor_parallel_size > 1 covers {sorted(TP_ARCHITECTURES)}; the "
-                         f"model is {cfg.architecture!r}")
-    ring = ShmRing(size - 1, _RING_BYTES, create=True)
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    ctx = mp.get_context("spawn")
-    procs = []
-    for rank in range(1, size):
-        args = WorkerArgs(rank, size, init_method, ring.name, cfg, files, dtype, device.type,
-                          config.num_threads, os.getpid())
-        proc = ctx.Process(target=worker_main, args=(args,), name=f"tp-worker{rank}", daemon=True)
-        proc.start()
-        procs.append(proc)
-    _join_group(size, init_method, device, procs)
-    model = TensorParallelModel(build_shard(cfg, 0, size, files, dtype, device), ring, procs,
-                                config.attention_backend)
-    atexit.register(model.shutdown)
-    return model, cfg
+    topology = Topology.from_config(config)
+    args = WorkerArgs(topology, cfg, files, dtype, device.type, config.num_threads)
+    procs = start_workers(args, topology.local_ranks[1:])
+    ranks = Ranks(_join_group(topology, device, procs), procs)
+    atexit.register(ranks.shutdown)
+    return build_shard(cfg, 0, topology.size, files, dtype, device), cfg, ranks
 
 
-def _join_group(size: int, init_method: str, device: torch.device,
-                procs: list[mp.process.BaseProcess]) -> None:
-    """init_process_group as rank 0, failing fast if a worker dies before it joins."""
+def _join_group(topology: Topology, device: torch.device,
+                procs: list[mp.process.BaseProcess]) -> Channel:
+    """Join as rank 0, failing fast if a local worker dies before it joins."""
+    joined: list[Channel] = []
     errors: list[BaseException] = []
 
-    def join() -> None:
+    def run() -> None:
         try:
-            init_distributed(0, size, init_method, device)
+            joined.append(join(topology, 0, device))
         except BaseException as exc:  # NOTE: handed to the caller's thread below
             errors.append(exc)
 
-    thread = threading.Thread(target=join, name="tp-rendezvous", daemon=True)
+    thread = threading.Thread(target=run, name="tp-rendezvous", daemon=True)
     thread.start()
     while thread.is_alive():
         thread.join(timeout=0.2)
@@ -161,20 +148,20 @@ def _join_group(size: int, init_method: str, device: torch.device,
                                f"{dead[0].exitcode} during startup")
     if errors:
         raise errors[0]
+    return joined[0]
 
 
 def checkpoint(source: ModelSource) -> tuple[ModelConfig, list[Path]]:
     """The config and the safetensors files each rank reads its shard from (a GGUF is
-    dequantized once into a cached safetensors file first)."""
-    if not source.is_gguf:
-        return from_hf_config(source.path), sorted(source.path.glob("*.safetensors"))
-    from engine.models.loader import _gguf_dequantized, float32_cache
+    dequantized once into a cached safetensors file first, on each node)."""
+    if source.is_gguf:
+        from engine.models.loader import _gguf_dequantized, float32_cache
 
-    cfg, _ = _gguf_dequantized(source)  # NOTE: writes the cache on first use
-    return cfg, [float32_cache(source)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        cfg, _ = _gguf_dequantized(source)  # NOTE: writes the cache on first use
+        files = [float32_cache(source)]
+    else:
+        cfg, files = from_hf_config(source.path), sorted(source.path.glob("*.safetensors"))
+    if cfg.architecture not in TP_ARCHITECTURES:
+        raise ValueError(f"tensor_parallel_size > 1 covers {sorted(TP_ARCHITECTURES)}; the "
+                         f"model is {cfg.architecture!r}")
+    return cfg, files

@@ -1,47 +1,48 @@
-"""A tensor-parallel worker process (ranks 1..N-1): loads its shard, then replays every op the
-driver writes to the ring (forward, logits, block copies) on its own KV cache shard.
+"""A tensor-parallel worker process (every rank but 0): loads its shard, builds the same
+ModelRunner as rank 0 over its own KV caches, and runs every plan rank 0 sends on the channel.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-from datetime import timedelta
+import multiprocessing as mp
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from engine.allocator import tune_malloc
-from engine.forward_context import ForwardContext, forward_context
 from engine.models.config import ModelConfig
-from engine.parallel import wire
+from engine.parallel import records
+from engine.parallel.group import Channel, Topology, join
 from engine.parallel.layers import TensorParallelLlama, load_shard, shard_plan
-from engine.parallel.shm_ring import RingClosedError, ShmRing
 
 log = logging.getLogger("engine.parallel.worker")
-INIT_TIMEOUT = timedelta(seconds=120)
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkerArgs:
-    rank: int
-    size: int
-    init_method: str  # tcp://127.0.0.1:port of the driver's rendezvous
-    ring_name: str
+    """What every worker of one engine shares (its rank is passed beside)."""
+
+    topology: Topology
     cfg: ModelConfig
     files: list[Path]
     dtype: torch.dtype
-    device: str
+    device: str  # the device type: cuda (one device per local rank) or cpu
     num_threads: int | None
-    parent_pid: int
 
 
-def init_distributed(rank: int, size: int, init_method: str, device: torch.device) -> None:
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=INIT_TIMEOUT)
+def start_workers(args: WorkerArgs, ranks: range) -> list[mp.process.BaseProcess]:
+    """Spawn one process per rank (spawn, not fork: CUDA and gloo do not survive a fork)."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in ranks:
+        proc = ctx.Process(target=worker_main, args=(args, rank), name=f"tp-worker{rank}",
+                           daemon=True)
+        proc.start()
+        procs.append(proc)
+    return procs
 
 
 def build_shard(cfg: ModelConfig, rank: int, size: int, files: list[Path], dtype: torch.dtype,
@@ -53,56 +54,49 @@ def build_shard(cfg: ModelConfig, rank: int, size: int, files: list[Path], dtype
     return model.eval().requires_grad_(False)
 
 
-def worker_main(args: WorkerArgs) -> None:
+def worker_main(args: WorkerArgs, rank: int) -> None:
     logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s tp-worker{args.rank}[%(process)d] %(message)s")
+                        format=f"%(asctime)s tp-worker{rank}[%(process)d] %(message)s")
     torch.set_num_threads(args.num_threads or 1)
-    device = torch.device(args.device)
+    device = args.topology.device(rank, args.device)
     if device.type == "cuda":
-        device = torch.device("cuda", args.rank)
         torch.cuda.set_device(device)
-    init_distributed(args.rank, args.size, args.init_method, device)
-    model = build_shard(args.cfg, args.rank, args.size, args.files, args.dtype, device)
+    channel = join(args.topology, rank, device)
+    model = build_shard(args.cfg, rank, args.topology.size, args.files, args.dtype, device)
     if device.type == "cpu":
         tune_malloc()
-    ring = ShmRing(args.size - 1, name=args.ring_name)
     try:
-        _serve(model, ring, args, device)
-    except RingClosedError:
-        log.info("the driver is gone; exiting")
+        _serve(model, channel, device)
+    except RuntimeError as exc:  # NOTE: gloo raises once rank 0's sockets are closed
+        log.info("the driver is gone (%s); exiting", exc)
+        raise SystemExit(1) from exc
     finally:
-        ring.close()
+        dist.destroy_process_group()
 
 
-@torch.inference_mode()
-def _serve(model: TensorParallelLlama, ring: ShmRing, args: WorkerArgs,
-           device: torch.device) -> None:
+def _serve(model: TensorParallelLlama, channel: Channel, device: torch.device) -> None:
+    runner = None
+    while True:
+        match records.decode(channel.recv()):
+            case records.RunnerInit() as init:
+                runner = _runner(model, init, device)
+            case records.Propose(plan):
+                assert runner is not None, "init first"
+                runner.propose(plan)  # NOTE: rank 0 uses its own proposals (the same tokens)
+            case records.Execute(plan):
+                assert runner is not None, "init first"
+                runner.execute(plan)  # NOTE: only rank 0's output is used
+            case records.Stop():
+                return
+
+
+def _runner(model: TensorParallelLlama, init: records.RunnerInit, device: torch.device):
     from engine.runner import ModelRunner
+    from engine.sampler import Sampler
     from kernels import get_backend
 
-    def alive() -> bool:
-        return os.getppid() == args.parent_pid
-
-    runner: ModelRunner | None = None
-    while True:
-        op, fields, tensors = wire.decode(ring.read(args.rank - 1, alive), device)
-        if op == "init":
-            runner = ModelRunner(
-                model, fields["num_blocks"], fields["block_size"], fields["max_model_len"],
-                None, get_backend(fields["backend"], device.type), device,  # type: ignore[arg-type]
-                getattr(torch, fields["kv_dtype"]), fields["num_cpu_blocks"])
-        elif op == "forward":
-            assert runner is not None, "init first"
-            meta = wire.meta_from_wire(fields, tensors)
-            kwargs = {} if fields["num_layers"] is None else {"num_layers": fields["num_layers"]}
-            with forward_context(ForwardContext(meta, runner.kv_caches, runner.backend)):
-                model(tensors["input_ids"], tensors["positions"], **kwargs)
-        elif op == "logits":
-            model.compute_logits(tensors["hidden"])
-        elif op == "copy":
-            assert runner is not None, "init first"
-            runner._copy_blocks([tuple(c) for c in fields["copies"]])
-        elif op == "stop":
-            return
-        else:
-            raise ValueError(f"unknown op {op!r}")
+    return ModelRunner(
+        model, init.num_blocks, init.block_size, init.max_model_len,
+        Sampler(init.eos_token_ids, init.seed, device),
+        get_backend(init.attention_backend, device.type), device,
+        getattr(torch, init.kv_dtype), init.num_cpu_blocks, draft_layers=init.draft_layers)

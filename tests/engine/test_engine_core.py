@@ -53,11 +53,11 @@ def test_block_counts_while_running_and_all_free_after(make_core):
     add(core, "b", prompt(20, 2))
     core.step()  # both prompts fit the 2048-token budget: one step computes them
     a, b = core.scheduler.groups["a"][0], core.scheduler.groups["b"][0]
-    assert len(a.block_ids) == -(-488 // 16) == 31
-    assert len(b.block_ids) == 2
+    assert len(core.kv.block_ids(a.key)) == -(-488 // 16) == 31
+    assert len(core.kv.block_ids(b.key)) == 2
     _, finish = run_to_end(core)
     assert finish == {"a": "length", "b": "length"}
-    assert a.num_tokens == 500 and a.block_ids == []
+    assert a.num_tokens == 500 and core.kv.block_ids(a.key) == []
     assert core.kv.num_free_blocks == 64
 
 

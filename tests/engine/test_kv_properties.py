@@ -42,7 +42,7 @@ class KVMachine(RuleBasedStateMachine):
             self.kv.cache_full_blocks(req)
             self.running.append(req)
         else:
-            assert req.block_ids == []
+            assert self.kv.block_ids(req.key) == []
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), token=st.integers(0, 3))
@@ -97,8 +97,9 @@ class KVMachine(RuleBasedStateMachine):
 
     @invariant()
     def ref_counts_match_block_tables(self):
-        for pool, tables in ((self.kv.pool, [r.block_ids for r in self.running]),
-                             (self.kv.cpu_pool, [r.cpu_block_ids for r in self.swapped])):
+        gpu = [self.kv.block_ids(r.key) for r in self.running]
+        cpu = [self.kv.cpu_block_ids(r.key) for r in self.swapped]
+        for pool, tables in ((self.kv.pool, gpu), (self.kv.cpu_pool, cpu)):
             held = Counter(b for table in tables for b in table)
             free = set(pool.free_ids())
             for block in range(pool.num_blocks):
@@ -109,7 +110,7 @@ class KVMachine(RuleBasedStateMachine):
     @invariant()
     def tables_cover_computed_tokens(self):
         for r in self.running:
-            assert len(r.block_ids) == -(-r.num_computed_tokens // BLOCK)
+            assert len(self.kv.block_ids(r.key)) == -(-r.num_computed_tokens // BLOCK)
 
     @invariant()
     def cached_blocks_point_back(self):

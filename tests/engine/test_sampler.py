@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request
+from engine.runner_rows import Row
 from engine.sampler import Sampler
+from engine.step_plan import NewRequest
 from ipc.sampling import SamplingParams
 
 V = 50
 
 
-def req(params: SamplingParams, prompt=(1, 2, 3), output=(), seed=None) -> Request:
+def req(params: SamplingParams, prompt=(1, 2, 3), output=(), seed=None) -> Row:
+    """The runner's row of a request with these tokens (the sampler reads rows)."""
     gen = None if seed is None else torch.Generator().manual_seed(seed)
-    r = Request("r", list(prompt), params, max_tokens=100, generator=gen)
-    for t in output:
-        r.append_token(t)
-    return r
+    new = NewRequest("r", [*prompt, *output], len(prompt), params, seed, [], 0)
+    return Row(new, 0, gen)
 
 
 def fixed_logits(rows: int) -> torch.Tensor:

@@ -6,13 +6,24 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
-from engine.kv_manager import KVCacheManager
+from engine.kv_manager import NULL_BLOCK, KVCacheManager
 from engine.preemption import PreemptionCost
 from engine.request import Request
-from engine.sampler import SamplerOutput
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.runner_rows import RowStates
+from engine.scheduler import Scheduler, SchedulerConfig, SpecConfig
+from engine.step_plan import (
+    BlockCopy,
+    CopyKind,
+    Diff,
+    DraftProposals,
+    RunnerOutput,
+    Sampled,
+    StepPlan,
+    decode_first,
+)
 from ipc.messages import TokenDelta
 from ipc.sampling import SamplingParams
 
@@ -34,22 +45,47 @@ def request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0) -> Re
 
 
 class FakeRunner:
-    """Samples TOKEN (or what `script` says for a request id) for every sampling request."""
+    """Samples TOKEN (or what `script` says for a request id) for every sampling request.
+
+    It keeps the real runner's row state (RowStates) from each plan, and checks that what the
+    plan's entries built equals the scheduler's requests and the KV manager's tables."""
 
     def __init__(self, script: dict[str, list[int]] | None = None) -> None:
         self.script = script or {}
+        self.states = RowStates(max_blocks_per_seq=16, device=None)  # type: ignore[arg-type]
+
+    def check_mirror(self, s: Scheduler, plan: StepPlan) -> None:
+        self.states.apply(plan)
+        assert set(plan.finished_keys).isdisjoint(self.states.rows)
+        for row in plan.sampling:
+            key = row.key
+            state, req = self.states.rows[key], s._by_key[key]
+            assert state.token_ids == req.all_token_ids
+            table = [max(b, 0) for b in s.kv.block_ids(key)]
+            assert state.num_blocks == len(table)
+            assert self.states.block_table[state.slot, : len(table)].tolist() == table
+            assert not self.states.block_table[state.slot, len(table):].any()
+            assert state.num_computed_tokens == req.num_computed_tokens
 
     def step(self, s: Scheduler):
         out = s.schedule()
-        if not out.sampling:
-            return out, s.update(out, None)
-        tokens = [self.script[r.request_id].pop(0) if self.script.get(r.request_id) else TOKEN
-                  for r in out.sampling]
-        return out, s.update(out, SamplerOutput(tokens, [None] * len(tokens)))
+        self.check_mirror(s, out)
+        sampled = {r.key: Sampled(self.script[r.key].pop(0) if self.script.get(r.key) else TOKEN,
+                                  [], None) for r in out.sampling}
+        return out, s.update(out, RunnerOutput(sampled))
 
 
 def counts(out) -> list[tuple[str, int]]:
-    return [(r.request_id, n) for r, n in out.scheduled]
+    """(key, tokens) in the runner's batch order (decodes first)."""
+    return [(key, out.num_scheduled_tokens[key]) for key in decode_first(out)]
+
+
+def gpu_to_cpu(src: int, dst: int) -> BlockCopy:
+    return BlockCopy(CopyKind.GPU_TO_CPU, src, dst)
+
+
+def cpu_to_gpu(src: int, dst: int) -> BlockCopy:
+    return BlockCopy(CopyKind.CPU_TO_GPU, src, dst)
 
 
 def test_chunked_prefill_splits_then_decodes_with_exact_blocks():
@@ -59,7 +95,7 @@ def test_chunked_prefill_splits_then_decodes_with_exact_blocks():
     plan = []
     for _ in range(5):
         out, deltas = run.step(s)
-        plan.append((counts(out), list(a.block_ids), [d.finish_reason for d in deltas]))
+        plan.append((counts(out), s.kv.block_ids("a"), [d.finish_reason for d in deltas]))
     assert plan == [
         ([("a", 4)], [0], []),  # prompt chunk 1 of 3: nothing sampled
         ([("a", 4)], [0, 1], []),
@@ -110,12 +146,13 @@ def test_swap_preempts_the_newest_and_resumes_it_before_new_admissions():
     s.add(b)
     out, _ = run.step(s)
     assert counts(out) == [("a", 8), ("b", 7)]
-    assert (a.block_ids, b.block_ids) == ([0, 1], [2, 3])
+    assert (s.kv.block_ids("a"), s.kv.block_ids("b")) == ([0, 1], [2, 3])
     # a's 9th token needs a third block: the newest request, b, is swapped out to make room
     out, _ = run.step(s)
-    assert counts(out) == [("a", 1)] and [r.request_id for r in out.preempted] == ["b"]
-    assert out.block_copies == [("gpu_to_cpu", 2, 0), ("gpu_to_cpu", 3, 1)]
-    assert (a.block_ids, b.cpu_block_ids, b.block_ids) == ([0, 1, 3], [0, 1], [])
+    assert counts(out) == [("a", 1)] and out.preempted_keys == ["b"]
+    assert out.block_copies == [gpu_to_cpu(2, 0), gpu_to_cpu(3, 1)]
+    tables = s.kv.block_ids("a"), s.kv.cpu_block_ids("b"), s.kv.block_ids("b")
+    assert tables == ([0, 1, 3], [0, 1], [])
     assert s.preemptions.swap == 1 and s.preemptions.recompute == 0
     c = request("c", 4, max_tokens=2)
     s.add(c)
@@ -124,8 +161,9 @@ def test_swap_preempts_the_newest_and_resumes_it_before_new_admissions():
     assert s.kv.pool.free_ids() == [2, 3, 1, 0]
     out, _ = run.step(s)
     assert counts(out) == [("b", 1), ("c", 4)]  # b first, then c is admitted
-    assert out.block_copies == [("cpu_to_gpu", 0, 2), ("cpu_to_gpu", 1, 3)]
-    assert (b.block_ids, b.cpu_block_ids, c.block_ids) == ([2, 3], [], [1])
+    assert out.block_copies == [cpu_to_gpu(0, 2), cpu_to_gpu(1, 3)]
+    tables = s.kv.block_ids("b"), s.kv.cpu_block_ids("b"), s.kv.block_ids("c")
+    assert tables == ([2, 3], [], [1])
 
 
 def test_recompute_preemption_recomputes_prompt_and_output():
@@ -135,8 +173,8 @@ def test_recompute_preemption_recomputes_prompt_and_output():
     s.add(b)
     run.step(s)
     out, _ = run.step(s)
-    assert [r.request_id for r in out.preempted] == ["b"] and out.block_copies == []
-    assert b.num_computed_tokens == 0 and b.block_ids == [] and s.num_waiting == 1
+    assert out.preempted_keys == ["b"] and out.block_copies == []
+    assert b.num_computed_tokens == 0 and s.kv.block_ids("b") == [] and s.num_waiting == 1
     assert s.preemptions.recompute == 1 and s.preemptions.swap == 0
     run.step(s)  # a finishes
     out, deltas = run.step(s)
@@ -154,7 +192,7 @@ def test_priority_picks_the_victim_and_the_admission_order():
     assert counts(out) == [("high", 7), ("low", 8)]  # lower value first
     out, _ = run.step(s)
     # low needs a third block for its 9th token: it is itself the lowest priority
-    assert [r.request_id for r in out.preempted] == ["low"] and counts(out) == [("high", 1)]
+    assert out.preempted_keys == ["low"] and counts(out) == [("high", 1)]
 
 
 def test_eos_and_stop_token_ids_finish_and_min_tokens_holds_them():
@@ -215,8 +253,121 @@ def test_abort_is_idempotent_and_frees_blocks_now():
     a = request("a", 6, max_tokens=8)
     s.add(a)
     run.step(s)
-    assert a.block_ids == [0, 1]
+    assert s.kv.block_ids("a") == [0, 1]
     (delta,) = s.abort(["a"])
     assert delta.finish_reason == "abort" and s.kv.num_free_blocks == 8
     assert s.abort(["a"]) == [] and s.abort(["unknown"]) == []
     assert s.schedule().empty
+
+
+def test_a_choice_is_sent_in_full_once_then_as_diffs_with_exact_block_ids():
+    s, run = make(num_blocks=6, budget=4), FakeRunner()
+    s.add(request("a", 10, max_tokens=3))
+    plans = [run.step(s)[0] for _ in range(5)]
+    (new,) = plans[0].new_requests
+    assert (new.key, new.token_ids, new.block_ids, new.num_computed_tokens) == (
+        "a", [100 + i for i in range(10)], [0], 0)
+    assert plans[0].cached_requests == []
+    diffs = [[(c.tokens, c.block_ids, c.num_computed_tokens) for c in p.cached_requests]
+             for p in plans[1:]]
+    assert diffs == [
+        [(None, Diff(1, [1]), 4)],  # the second prompt chunk's block is appended
+        [(None, Diff(2, [2]), 8)],
+        [(Diff(10, [TOKEN]), None, 10)],  # the sampled token; the block has room
+        [(Diff(11, [TOKEN]), None, 11)],
+    ]
+    assert all(p.new_requests == [] and p.finished_keys == [] for p in plans[1:])
+    final = s.schedule()
+    assert final.empty and final.finished_keys == ["a"]  # the runner drops its row
+
+
+def test_copy_on_write_after_a_fork_rewrites_the_writers_table_entry():
+    s, run = make(num_blocks=8, budget=16), FakeRunner()
+    params = SamplingParams(temperature=0.0, max_tokens=3, n=2)
+    a = Request("a", [1, 2, 3, 4, 5, 6], params, 3)
+    a.children = [Request("a", [1, 2, 3, 4, 5, 6], params, 3, index=1)]
+    s.add(a)
+    first, _ = run.step(s)
+    assert [(r.key, r.logits_key) for r in first.sampling] == [("a", "a"), ("1_a", "a")]
+    assert [(n.key, n.block_ids) for n in first.new_requests] == [("a", [0, 1]), ("1_a", [])]
+    second, _ = run.step(s)  # both write position 6 in block 1, which they share
+    assert second.block_copies == [BlockCopy(CopyKind.GPU_TO_GPU, 1, 2)]
+    tables = {c.key: c.block_ids for c in second.cached_requests}
+    assert tables == {"a": Diff(1, [2]), "1_a": Diff(0, [0, 1])}
+    assert (s.kv.block_ids("a"), s.kv.block_ids("1_a")) == ([0, 2], [0, 1])
+
+
+def test_self_draft_proposals_come_from_the_runner_in_the_first_phase():
+    kv = KVCacheManager(16, 4, False, 0)
+    s = Scheduler(SchedulerConfig(4, 16, 64, SpecConfig("self", 2)), kv, [EOS])
+    a = request("a", 4, max_tokens=8)
+    s.add(a)
+    first = s.schedule()
+    assert first.self_drafts == {}  # a prompt step does not draft
+    s.update(first, RunnerOutput({"a": Sampled(TOKEN, [], None)}))
+    plan = s.schedule()
+    # gamma 2: three slots (the newest token and two drafts), and no placeholder drafts
+    assert plan.self_drafts == {"a": 2} and plan.num_scheduled_tokens == {"a": 3}
+    assert plan.spec_token_ids == {} and a.spec_token_ids == []
+    assert kv.block_ids("a") == [0, 1]
+    s.attach_drafts(plan, DraftProposals({"a": [8, 9]}))
+    assert plan.spec_token_ids == {"a": [8, 9]} and a.spec_token_ids == [8, 9]
+    (delta,) = s.update(plan, RunnerOutput({"a": Sampled(5, [8], None)}))  # 9 is rejected
+    assert delta.new_token_ids == [8, 5] and a.output_token_ids == [TOKEN, 8, 5]
+    assert a.num_computed_tokens == 6  # the rejected draft's slot is given back
+    assert s.spec_stats.draft_tokens == 2 and s.spec_stats.accepted_tokens == 1
+
+
+def test_ngram_drafts_are_in_the_plan_when_scheduled():
+    kv = KVCacheManager(16, 4, False, 0)
+    s = Scheduler(SchedulerConfig(4, 16, 64, SpecConfig("ngram", 3)), kv, [EOS])
+    a = Request("a", [1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=8), 8)
+    s.add(a)
+    s.update(s.schedule(), RunnerOutput({"a": Sampled(3, [], None)}))
+    plan = s.schedule()  # 1 2 3 1 2 3: the first "1 2 3" was followed by "1 2 3"
+    assert plan.spec_token_ids == {"a": [1, 2, 3]} and plan.num_scheduled_tokens == {"a": 4}
+    assert plan.self_drafts == {}
+
+
+def test_the_plan_and_the_runner_output_are_plain_msgpack_data():
+    s, run = make(num_blocks=4, budget=16, mode="swap"), FakeRunner()
+    s.add(request("a", 8, max_tokens=3))
+    s.add(request("b", 7, max_tokens=3))
+    run.step(s)
+    plan = s.schedule()  # b is swapped out: typed block copies
+    assert plan.block_copies and plan.preempted_keys == ["b"]
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=StepPlan)
+    assert decoded == plan and isinstance(decoded.block_copies[0].kind, CopyKind)
+    out = RunnerOutput({"a": Sampled(TOKEN, [3], None)})
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=RunnerOutput) == out
+
+
+def test_n_choices_fork_and_each_ends_once():
+    s, run = make(num_blocks=12, budget=16), FakeRunner({"1_a": [TOKEN, EOS]})
+    params = SamplingParams(temperature=0.0, max_tokens=4, n=3)
+    a = Request("a", [1, 2, 3, 4, 5], params, 4)
+    a.children = [Request("a", [1, 2, 3, 4, 5], params, 4, index=i) for i in (1, 2)]
+    s.add(a)
+    ends: dict[int, list[str]] = {}
+    for _ in range(6):
+        for d in run.step(s)[1]:
+            if d.finish_reason:
+                ends.setdefault(d.index, []).append(d.finish_reason)
+    assert ends == {0: ["length"], 1: ["stop"], 2: ["length"]}
+    assert s.kv.num_free_blocks == 12 and not s.has_unfinished()
+
+
+def test_runner_rows_mirror_window_releases_as_block_zero():
+    states = RowStates(max_blocks_per_seq=8, device=None)  # type: ignore[arg-type]
+    kv = KVCacheManager(10, 4, False, 0, window=6)
+    s = Scheduler(SchedulerConfig(4, 8, 64), kv, [EOS])
+    a = request("a", 8, max_tokens=20)
+    s.add(a)
+    for _ in range(8):
+        plan = s.schedule()
+        states.apply(plan)
+        row = states.rows["a"]
+        table = kv.block_ids("a")
+        assert states.block_table[row.slot, : len(table)].tolist() == [max(b, 0) for b in table]
+        s.update(plan, RunnerOutput({r.key: Sampled(TOKEN, [], None) for r in plan.sampling}))
+    assert kv.block_ids("a")[0] == NULL_BLOCK  # the window released the first block

@@ -9,8 +9,8 @@ from pathlib import Path
 from engine.kv_manager import KVCacheManager
 from engine.preemption import SWAP, PreemptionCost
 from engine.request import Request
-from engine.sampler import SamplerOutput
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.step_plan import CopyKind, RunnerOutput, Sampled
 from ipc.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,11 +32,10 @@ def swap_round_trip() -> tuple[int, list[int], int]:
         out = sched.schedule()
         if out.empty:
             break
-        sampled = SamplerOutput([5] * len(out.sampling), [None] * len(out.sampling))
-        sched.update(out, sampled)
-        if any(c[0] == "cpu_to_gpu" for c in out.block_copies):
-            return sched.preemptions.swap_in_blocks, list(new.block_ids), new.num_computed_tokens
-    return sched.preemptions.swap_in_blocks, list(new.block_ids), new.num_computed_tokens
+        sched.update(out, RunnerOutput({r.key: Sampled(5, [], None) for r in out.sampling}))
+        if any(c.kind == CopyKind.CPU_TO_GPU for c in out.block_copies):
+            break
+    return sched.preemptions.swap_in_blocks, kv.block_ids(new.key), new.num_computed_tokens
 
 
 def test_swap_in_restores_blocks() -> None:

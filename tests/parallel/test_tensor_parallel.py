@@ -34,7 +34,7 @@ def _run(model: str | None, tp: int, prompts: list[list[int]] = PROMPTS, num_gpu
         return [(r.token_ids, r.logprobs or []) for r in out]
     finally:
         if tp > 1:
-            llm.engine.runner.model.shutdown()
+            llm.engine.runner.shutdown()
 
 
 def _assert_same(tp1, tp2) -> None:
@@ -119,3 +119,36 @@ async def test_a_dead_worker_fails_the_engine_cleanly(tiny_model_dir: Path) -> N
         assert not client.ready and client.last_error
     finally:
         await client.close(timeout=2)
+
+
+def test_two_phase_steps_choices_grammars_and_prompt_logprobs_match_tp1(
+        tiny_model_dir: Path) -> None:
+    """Self drafts (the propose phase runs on every rank, then verification), n=2 seeded
+    sampling with copy-on-write of the shared last prompt block, a grammar's masks, prompt
+    logprobs: TP=2 gives TP=1's tokens, so every rank ran the same collectives on the same
+    inputs and sampled alike."""
+    from engine.llm import LLM
+    from ipc.sampling import StructuredOutputs
+
+    def run(tp: int):
+        llm = LLM(str(tiny_model_dir), device="cpu", num_gpu_blocks=64, max_model_len=256,
+                  num_threads=1, tensor_parallel_size=tp, speculative_method="self",
+                  speculative_draft_layers=1, num_speculative_tokens=3)
+        try:
+            params = [
+                SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=2),
+                SamplingParams(max_tokens=12, temperature=0.8, seed=7, n=2),
+                SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=(
+                    StructuredOutputs(regex=r"[A-Z][a-z]{2,5}-[0-9]{2}")))]
+            prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]
+            out = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            assert llm.engine.stats().spec_draft_tokens > 0
+            return [[c.token_ids for c in r.outputs] for r in out], out[0].prompt_logprobs
+        finally:
+            if tp > 1:
+                llm.engine.runner.shutdown()
+
+    (tokens1, prompt1), (tokens2, prompt2) = run(1), run(2)
+    assert tokens2 == tokens1
+    assert prompt1[0] is None and prompt2[0] is None
+    _assert_same([([], prompt1[1:])], [([], prompt2[1:])])
