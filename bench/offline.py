@@ -88,6 +88,10 @@ def instrument(core) -> StepTimer:
     t.wrap(core.scheduler, "schedule", "schedule")
     t.wrap(core.scheduler, "update", "update")
     t.wrap(core.runner, "_prepare", "prepare inputs")
+    states = getattr(core.runner, "states", None)  # NOTE: absent before the step plan (17a)
+    if states is not None:  # applying the plan's entries to the runner's rows is input prep
+        t.wrap(states, "apply", "prepare inputs")
+        t.wrap(states, "set_step_inputs", "prepare inputs")
     t.wrap(core.runner.model, "forward", "model forward")
     t.wrap(core.runner.model, "compute_logits", "logits (lm head)")
     t.wrap(core.runner, "sampler", "sample")

@@ -157,12 +157,7 @@ class Scheduler:
             budget = self._swap_in(plan, budget)
             if not self.swapped:
                 self._admit_waiting(plan, budget)
-        self._plan_sampling(plan)
-        self._plan_prompt_logprobs(plan)
-        self._plan_masks(plan, [r.key for r in plan.sampling if r.key not in plan.self_drafts])
-        keys = dict.fromkeys([*plan.num_scheduled_tokens, *(r.key for r in plan.sampling)])
-        for key in keys:
-            self._mirror.add_to(plan, self._by_key[key])
+        self._plan_rows(plan)
         plan.block_copies = self.kv.take_pending_copies()
         plan.finished_keys = self._mirror.take_finished()
         return plan
@@ -279,27 +274,32 @@ class Scheduler:
         bisect.insort(self.running, req, key=lambda r: r.sort_key)
         plan.num_scheduled_tokens[req.key] = n
 
-    def _plan_sampling(self, plan: StepPlan) -> None:
-        """Who samples: requests whose scheduled tokens complete them, each followed by the
-        choices forked from it (n > 1: they sample from its logits), in the runner's order."""
+    def _plan_rows(self, plan: StepPlan) -> None:
+        """For each scheduled choice, in the runner's order (decodes first): its runner entry,
+        its prompt-logprob span, and whether it samples (then its forked choices too: n > 1
+        choices sample from its logits); then the grammar masks of those that sample."""
+        grammar: list[str] = []
         for key in decode_first(plan):
             req = self._by_key[key]
-            drafts = len(plan.spec_token_ids.get(key, ())) or plan.self_drafts.get(key, 0)
-            computed = req.num_computed_tokens + plan.num_scheduled_tokens[key]
-            if computed != req.num_tokens + drafts:
+            n = plan.num_scheduled_tokens[key]
+            self._mirror.add_to(plan, req)
+            if req.prompt_logprobs is not None:
+                span = req.prompt_logprob_positions(req.num_computed_tokens, n)
+                if span:
+                    k = req.sampling.prompt_logprobs
+                    assert k is not None
+                    plan.prompt_logprobs[key] = PromptLogprobsSpan(span.start, span.stop, k)
+            drafts = len(req.spec_token_ids) or plan.self_drafts.get(key, 0)
+            if req.num_computed_tokens + n != req.num_tokens + drafts:
                 continue  # a prefill chunk that does not reach the end yet
             plan.sampling.append(SampleRow(key, key))
-            for child in req.children:  # n > 1: the choices fork from the finished prompt
+            for child in req.children:
                 plan.sampling.append(SampleRow(child.key, key))
-
-    def _plan_prompt_logprobs(self, plan: StepPlan) -> None:
-        for key, n in plan.num_scheduled_tokens.items():
-            req = self._by_key[key]
-            span = req.prompt_logprob_positions(req.num_computed_tokens, n)
-            if span:
-                k = req.sampling.prompt_logprobs
-                assert k is not None
-                plan.prompt_logprobs[key] = PromptLogprobsSpan(span.start, span.stop, k)
+                self._mirror.add_to(plan, child)
+            if req.grammar is not None and key not in plan.self_drafts:
+                grammar += [key] + [c.key for c in req.children]
+        if grammar:
+            self._plan_masks(plan, grammar)
 
     def _plan_masks(self, plan: StepPlan, keys: list[str]) -> None:
         """The grammar's allowed tokens at each sampling position of these choices."""
@@ -477,6 +477,8 @@ class Scheduler:
     def _settle_speculation(self, plan: StepPlan, output: RunnerOutput) -> None:
         """Roll back the KV of rejected drafts, count, and adapt each request's gamma."""
         spec = self.config.spec
+        if not plan.spec_token_ids:
+            return
         for row in plan.sampling:
             req, accepted = self._by_key[row.key], output.sampled[row.key].accepted
             proposed = len(req.spec_token_ids)
