@@ -394,47 +394,28 @@ class Scheduler:
     # ---- beam search -----------------------------------------------------------------------
 
     def _beam_step(self, rid: str) -> list[TokenDelta]:
-        """Once every live beam of the group has its candidates: keep the k best
-        continuations, forking beams that continue twice and parking those that end."""
+        """Apply the beam module's decisions for the group (beam_search.plan_step)."""
         group = self.groups[rid]
-        live = [r for r in group if r.status == RequestStatus.RUNNING]
-        if any(r.beam_candidates is None for r in live):
-            return []  # NOTE: a sibling was preempted this step; select when it catches up
-        unique: dict[tuple[int, ...], Request] = {}
-        for r in live:  # right after the prompt all k beams are the same beam
-            unique.setdefault(tuple(r.output_token_ids), r)
-        beams = list(unique.values())
-        s = beams[0].sampling
+        s = group[0].sampling
         ends = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos_token_ids))
-        chosen, ended = beam_search.select(
-            [(r.output_token_ids, r.cumulative_logprob, r.beam_candidates) for r in beams],
-            s.n, frozenset(ends), [r.num_output_tokens + 1 > s.min_tokens for r in beams])
-        finished = self.beam_finished.setdefault(rid, [])
-        finished.extend(ended)
-        keep: dict[int, beam_search.Continuation] = {}
-        extra: list[beam_search.Continuation] = []
-        for c in chosen:
-            if c.parent in keep:
-                extra.append(c)  # a second continuation of one beam: fork a spare into it
-            else:
-                keep[c.parent] = c
-        keepers = {beams[p].key for p in keep}
-        spares = [r for r in group if r.key not in keepers]
-        for r in spares:
-            self._park(r)
-        assigned = [(beams[p], c) for p, c in keep.items()]
-        for c in extra:
-            r = spares.pop()
-            r.become_copy_of(beams[c.parent])
-            self._mirror.rewrite_tokens(r, r.num_prompt_tokens)
-            self._fork(beams[c.parent], r)
-            assigned.append((r, c))
-        for r, c in assigned:
-            r.append_token(c.token_id)
-            r.cumulative_logprob = c.score
+        step = beam_search.plan_step([_member(r) for r in group], s.n, frozenset(ends),
+                                     s.min_tokens)
+        if step is None:
+            return []
+        self.beam_finished.setdefault(rid, []).extend(step.ended)
+        for i in step.park:
+            self._park(group[i])
+        for spare, parent in step.forks:
+            group[spare].become_copy_of(group[parent])
+            self._mirror.rewrite_tokens(group[spare], group[spare].num_prompt_tokens)
+            self._fork(group[parent], group[spare])
+        for i, token, score in step.append:
+            group[i].append_token(token)
+            group[i].cumulative_logprob = score
+        live = [group[i] for i, _, _ in step.append]
         for r in group:
             r.beam_candidates = None
-        return self._beam_finish_if_done(rid, [r for r, _ in assigned])
+        return self._beam_finish_if_done(rid, live)
 
     def _park(self, req: Request) -> None:
         """A beam with no continuation keeps its place (index) in the group but no blocks."""
@@ -446,17 +427,13 @@ class Scheduler:
     def _beam_finish_if_done(self, rid: str, live: list[Request]) -> list[TokenDelta]:
         group = self.groups[rid]
         s = group[0].sampling
-        finished = self.beam_finished[rid]
-        longest = max((r.num_tokens for r in live), default=0)
-        out_len = max((r.num_output_tokens for r in live), default=0)
-        best_live = max((r.cumulative_logprob for r in live), default=float("-inf"))
-        if (live and out_len < max(r.max_tokens for r in live)
-                and longest < self.config.max_model_len
-                and not beam_search.done(finished, best_live, out_len, s.n, s.length_penalty)):
+        at_limit = bool(live) and (
+            max(r.num_output_tokens for r in live) >= max(r.max_tokens for r in live)
+            or max(r.num_tokens for r in live) >= self.config.max_model_len)
+        top = beam_search.final(self.beam_finished[rid], [_member(r) for r in live], s.n,
+                                s.length_penalty, at_limit)
+        if top is None:
             return []
-        hyps = finished + [beam_search.Hypothesis(r.output_token_ids, r.cumulative_logprob,
-                                                  False) for r in live]
-        top = beam_search.best(hyps, s.n, s.length_penalty)
         first = group[0]
         group_all = list(group)
         deltas = [
@@ -555,6 +532,11 @@ class Scheduler:
         if not group:
             del self.groups[req.request_id]
             self.beam_finished.pop(req.request_id, None)
+
+
+def _member(r: Request) -> beam_search.Member:
+    return beam_search.Member(r.output_token_ids, r.cumulative_logprob, r.beam_candidates,
+                              r.status == RequestStatus.RUNNING)
 
 
 def _can_speculate(req: Request) -> bool:
