@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine import beam_search, spec_decode
+from engine.deltas import beam_deltas, delta
 from engine.grammar_masks import GrammarMasks
 from engine.kv_manager import KVCacheManager, held
 from engine.plan_mirror import RunnerMirror
@@ -25,7 +26,7 @@ from engine.step_plan import (
     StepPlan,
     decode_first,
 )
-from ipc.messages import RequestMetrics, TokenDelta
+from ipc.messages import TokenDelta
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class Scheduler:
                 for choice in choices:
                     choice.error, choice.error_param = str(result), result.param
                     self._finish(choice, RequestStatus.FINISHED_ERROR)
-                    deltas.append(_delta(choice, []))
+                    deltas.append(delta(choice, []))
                 continue
             for choice in choices:  # n > 1: one matcher per choice, each from the start
                 choice.grammar = result.matcher()
@@ -144,7 +145,7 @@ class Scheduler:
             for req in list(self.groups.get(rid, ())):
                 if index is None or req.index == index:
                     self._finish(req, RequestStatus.FINISHED_ABORTED)
-                    deltas.append(_delta(req, []))
+                    deltas.append(delta(req, []))
         return deltas
 
     # ---- schedule --------------------------------------------------------------------------
@@ -378,7 +379,7 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
             shown = None if req.sampling.logprobs is None else [logprobs]
-            deltas.append(_delta(req, [token], shown))
+            deltas.append(delta(req, [token], shown))
         for rid in beam_groups:
             deltas += self._beam_step(rid)
         return deltas
@@ -434,20 +435,10 @@ class Scheduler:
                                 s.length_penalty, at_limit)
         if top is None:
             return []
-        first = group[0]
-        group_all = list(group)
-        deltas = [
-            TokenDelta(request_id=rid, new_token_ids=h.token_ids, index=i,
-                       finish_reason="stop" if h.finished else "length",
-                       cumulative_logprob=h.score, num_prompt_tokens=first.num_prompt_tokens,
-                       num_cached_tokens=first.num_cached_tokens)
-            for i, h in enumerate(top)
-        ]
-        for r in list(group):
+        members = list(group)
+        for r in members:
             self._finish(r, RequestStatus.FINISHED_STOPPED)  # the last one drops the group
-        for d in deltas:  # a hypothesis is not one beam: the group's totals stand for each
-            d.metrics = _group_metrics(group_all)
-        return deltas
+        return beam_deltas(rid, top, members)
 
     # ---- speculative decoding ---------------------------------------------------------------
 
@@ -481,7 +472,7 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
                 break
-        return _delta(req, kept)
+        return delta(req, kept)
 
     def _drop_speculation(self, req: Request) -> None:
         req.spec_token_ids = []
@@ -545,49 +536,3 @@ def _can_speculate(req: Request) -> bool:
             and not s.logit_bias
             and not (s.repetition_penalty != 1.0 or s.presence_penalty or s.frequency_penalty)
             and req.num_output_tokens >= s.min_tokens and req.num_output_tokens > 0)
-
-
-def _delta(req: Request, tokens: list[int], logprobs=None) -> TokenDelta:
-    prompt = None
-    if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and tokens:
-        prompt, req.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, [], True
-    return TokenDelta(
-        prompt_logprobs=prompt,
-        request_id=req.request_id,
-        new_token_ids=tokens,
-        finish_reason=req.finish_reason,
-        stop_reason=req.stop_reason,
-        logprobs=logprobs,
-        num_prompt_tokens=req.num_prompt_tokens,
-        num_cached_tokens=req.num_cached_tokens,
-        index=req.index,
-        cumulative_logprob=req.cumulative_logprob if req.sampling.best_of else None,
-        scheduled_time=req.scheduled_time if req.num_output_tokens == len(tokens) else None,
-        metrics=_metrics(req) if req.finish_reason is not None else None,
-        error=req.error if req.finish_reason is not None else None,
-        error_param=req.error_param if req.finish_reason is not None else None,
-    )
-
-
-def _metrics(req: Request) -> RequestMetrics:
-    return RequestMetrics(
-        scheduled_time=req.scheduled_time,
-        first_token_time=req.first_token_time,
-        finished_time=req.finished_time,
-        num_preemptions=req.num_preemptions,
-        num_recomputed_tokens=req.num_recomputed_tokens,
-        num_spec_draft_tokens=req.num_spec_draft_tokens,
-        num_spec_accepted_tokens=req.num_spec_accepted_tokens,
-    )
-
-
-def _group_metrics(group: list[Request]) -> RequestMetrics:
-    """A beam group's metrics: its earliest times and its summed work."""
-    firsts = [r.first_token_time for r in group if r.first_token_time is not None]
-    return RequestMetrics(
-        scheduled_time=group[0].scheduled_time,
-        first_token_time=min(firsts, default=None),
-        finished_time=max(r.finished_time for r in group),
-        num_preemptions=sum(r.num_preemptions for r in group),
-        num_recomputed_tokens=sum(r.num_recomputed_tokens for r in group),
-    )

@@ -91,6 +91,23 @@ def test_preemption_loses_no_output(make_core):
     assert tight.kv.num_free_blocks == 24
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_seeded_sampling_is_the_same_under_preemption(make_core, mode):
+    """The runner keeps a choice's seeded generator in its row across preemption."""
+    prompts = [prompt(30, i) for i in range(4)]
+    params = SamplingParams(temperature=1.0, top_k=50, seed=7, max_tokens=40, ignore_eos=True)
+    results = []
+    for blocks in (200, 24):
+        core = make_core(num_gpu_blocks=blocks, block_size=4, preemption_mode=mode,
+                         swap_space=0.01)
+        for i, p in enumerate(prompts):
+            add(core, str(i), p, params)
+        results.append(run_to_end(core)[0])
+        assert (core.scheduler.num_preemptions > 0) == (blocks == 24)
+        assert core.step() == [] and core.runner.states.rows == {}  # the next plan drops them
+    assert results[0] == results[1]
+
+
 def test_terminal_deltas_carry_the_request_timeline(make_core):
     core = make_core(num_gpu_blocks=24, block_size=4, preemption_mode="recompute")
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
