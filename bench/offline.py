@@ -88,6 +88,10 @@ def instrument(core) -> StepTimer:
     t.wrap(core.scheduler, "schedule", "schedule")
     t.wrap(core.scheduler, "update", "update")
     t.wrap(core.runner, "_prepare", "prepare inputs")
+    states = getattr(core.runner, "states", None)  # NOTE: absent before the step plan (17a)
+    if states is not None:  # applying the plan's entries to the runner's rows is input prep
+        t.wrap(states, "apply", "prepare inputs")
+        t.wrap(states, "set_step_inputs", "prepare inputs")
     t.wrap(core.runner.model, "forward", "model forward")
     t.wrap(core.runner.model, "compute_logits", "logits (lm head)")
     t.wrap(core.runner, "sampler", "sample")
@@ -150,6 +154,10 @@ def run_engine(args: argparse.Namespace, timer_on: bool) -> tuple[dict, StepTime
     # NOTE: prompt tokens cost the same FLOPs: counting only output tokens, a workload with
     # prompts as long as its outputs cannot pass half the floor
     result["floor"]["fraction_of_floor_all_tokens"] = result["total_tok_per_s"] / floor
+    stats = core.stats()
+    result["spec"] = {"draft_tokens": stats.spec_draft_tokens,
+                      "accepted_tokens": stats.spec_accepted_tokens,
+                      "verify_steps": stats.spec_verify_steps}
     meta = (core.model_name, core.max_model_len, cfg.vocab_size)
     del core
     gc.collect()
@@ -218,6 +226,10 @@ def _print_table(result: dict, args: argparse.Namespace) -> None:
         print(f"  {name:<20} {r['output_tok_per_s']:>10.1f} {r['total_tok_per_s']:>12.1f} "
               f"{r['peak_rss_bytes'] / 2**30:>8.2f}Gi {ratio:>8} "
               f"{'-' if cost is None else f'{cost:.2f}':>9}")
+    spec = e["spec"]
+    if spec["verify_steps"]:
+        print(f"  speculative: {spec['draft_tokens']} draft tokens, {spec['accepted_tokens']} "
+              f"accepted, {spec['verify_steps']} verify steps")
     f = e["floor"]
     print(f"  compute floor: {f['matmul_gflops']:.0f} GFLOP/s float32 at M={f['matmul_m']}, "
           f"2 x {f['params'] / 1e6:.0f}M params/token -> {f['compute_floor_tok_per_s']:.0f} "

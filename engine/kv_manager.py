@@ -127,6 +127,7 @@ class KVCacheManager:
         # it are still right (a rewrite lowers this)
         self._sent_len: dict[str, int] = {}
         self._clean: dict[str, int] = {}
+        self._changed: set[str] = set()  # keys whose table changed since take_table_diff
 
     @property
     def num_free_blocks(self) -> int:
@@ -159,6 +160,9 @@ class KVCacheManager:
     def take_table_diff(self, key: str) -> Diff | None:
         """What the runner must change in its copy of the table (None: nothing); the runner is
         then assumed to hold the table as it is now."""
+        if key not in self._changed:
+            return None
+        self._changed.discard(key)
         table = self._tables.get(key, [])
         clean = min(self._clean.get(key, 0), len(table))
         if clean == len(table) == self._sent_len.get(key, 0):
@@ -170,9 +174,11 @@ class KVCacheManager:
         """The runner dropped the choice (it finished): no table to mirror any more."""
         self._sent_len.pop(key, None)
         self._clean.pop(key, None)
+        self._changed.discard(key)
 
     def _dirty(self, key: str, index: int) -> None:
         """Table entries from `index` on changed in place (not appended)."""
+        self._changed.add(key)
         if key in self._clean:
             self._clean[key] = min(self._clean[key], index)
 
@@ -205,6 +211,8 @@ class KVCacheManager:
 
     def drop_out_of_window(self, req: Request) -> None:
         """Release the blocks before the window of the request's next query."""
+        if self.window is None:
+            return
         table = self._tables.get(req.key, [])
         n = min(self.out_of_window(req.num_computed_tokens), len(table))
         old = held(table[:n])
@@ -252,7 +260,7 @@ class KVCacheManager:
         full = min(computed // self.block_size, len(table))
         registered = self._registered.get(req.key, 0)
         if full <= registered:
-            return
+            return  # NOTE: the common case (a decode inside a block): nothing to hash
         hashes = self.block_hashes(req)
         for i in range(registered, full):
             if table[i] != NULL_BLOCK:
@@ -266,6 +274,8 @@ class KVCacheManager:
     ) -> bool:
         """Room for num_new_tokens more K/V entries after `cached_blocks` (prefix-cache hits,
         only for a request holding no blocks). False, with nothing taken, if out of blocks."""
+        if not cached_blocks and self.window is None and self._fits(req, num_new_tokens):
+            return True  # NOTE: the common decode step: room in its last block, not shared
         cached_blocks = cached_blocks or []
         if not cached_blocks:
             self.drop_out_of_window(req)
@@ -281,10 +291,25 @@ class KVCacheManager:
         table.extend(cached_blocks)
         if cow is not None:
             self._copy_on_write(req.key, table, cow)
-        table.extend(self.pool.take(need) or [])
+        if need:
+            table.extend(self.pool.take(need) or [])
         if table:
             self._tables[req.key] = table
+        if need or cached_blocks:
+            self._changed.add(req.key)
         return True
+
+    def _fits(self, req: Request, num_new_tokens: int) -> bool:
+        """The request's table already has room for the tokens, and its first block to be
+        written is its own."""
+        table = self._tables.get(req.key)
+        if table is None:
+            return False
+        computed = req.num_computed_tokens
+        if computed + num_new_tokens > len(table) * self.block_size:
+            return False
+        idx = computed // self.block_size
+        return not num_new_tokens or idx >= len(table) or self.pool.ref_cnt[table[idx]] <= 1
 
     def _shared_write_block(self, table: list[int], computed: int) -> int | None:
         """Index in the table of the first block to be written, if other tables share it."""

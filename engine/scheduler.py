@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine import beam_search, spec_decode
+from engine.deltas import beam_deltas, delta
 from engine.grammar_masks import GrammarMasks
 from engine.kv_manager import KVCacheManager, held
 from engine.plan_mirror import RunnerMirror
@@ -25,7 +26,7 @@ from engine.step_plan import (
     StepPlan,
     decode_first,
 )
-from ipc.messages import RequestMetrics, TokenDelta
+from ipc.messages import TokenDelta
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class Scheduler:
                 for choice in choices:
                     choice.error, choice.error_param = str(result), result.param
                     self._finish(choice, RequestStatus.FINISHED_ERROR)
-                    deltas.append(_delta(choice, []))
+                    deltas.append(delta(choice, []))
                 continue
             for choice in choices:  # n > 1: one matcher per choice, each from the start
                 choice.grammar = result.matcher()
@@ -144,7 +145,7 @@ class Scheduler:
             for req in list(self.groups.get(rid, ())):
                 if index is None or req.index == index:
                     self._finish(req, RequestStatus.FINISHED_ABORTED)
-                    deltas.append(_delta(req, []))
+                    deltas.append(delta(req, []))
         return deltas
 
     # ---- schedule --------------------------------------------------------------------------
@@ -157,12 +158,7 @@ class Scheduler:
             budget = self._swap_in(plan, budget)
             if not self.swapped:
                 self._admit_waiting(plan, budget)
-        self._plan_sampling(plan)
-        self._plan_prompt_logprobs(plan)
-        self._plan_masks(plan, [r.key for r in plan.sampling if r.key not in plan.self_drafts])
-        keys = dict.fromkeys([*plan.num_scheduled_tokens, *(r.key for r in plan.sampling)])
-        for key in keys:
-            self._mirror.add_to(plan, self._by_key[key])
+        self._plan_rows(plan)
         plan.block_copies = self.kv.take_pending_copies()
         plan.finished_keys = self._mirror.take_finished()
         return plan
@@ -279,27 +275,32 @@ class Scheduler:
         bisect.insort(self.running, req, key=lambda r: r.sort_key)
         plan.num_scheduled_tokens[req.key] = n
 
-    def _plan_sampling(self, plan: StepPlan) -> None:
-        """Who samples: requests whose scheduled tokens complete them, each followed by the
-        choices forked from it (n > 1: they sample from its logits), in the runner's order."""
+    def _plan_rows(self, plan: StepPlan) -> None:
+        """For each scheduled choice, in the runner's order (decodes first): its runner entry,
+        its prompt-logprob span, and whether it samples (then its forked choices too: n > 1
+        choices sample from its logits); then the grammar masks of those that sample."""
+        grammar: list[str] = []
         for key in decode_first(plan):
             req = self._by_key[key]
-            drafts = len(plan.spec_token_ids.get(key, ())) or plan.self_drafts.get(key, 0)
-            computed = req.num_computed_tokens + plan.num_scheduled_tokens[key]
-            if computed != req.num_tokens + drafts:
+            n = plan.num_scheduled_tokens[key]
+            self._mirror.add_to(plan, req)
+            if req.prompt_logprobs is not None:
+                span = req.prompt_logprob_positions(req.num_computed_tokens, n)
+                if span:
+                    k = req.sampling.prompt_logprobs
+                    assert k is not None
+                    plan.prompt_logprobs[key] = PromptLogprobsSpan(span.start, span.stop, k)
+            drafts = len(req.spec_token_ids) or plan.self_drafts.get(key, 0)
+            if req.num_computed_tokens + n != req.num_tokens + drafts:
                 continue  # a prefill chunk that does not reach the end yet
             plan.sampling.append(SampleRow(key, key))
-            for child in req.children:  # n > 1: the choices fork from the finished prompt
+            for child in req.children:
                 plan.sampling.append(SampleRow(child.key, key))
-
-    def _plan_prompt_logprobs(self, plan: StepPlan) -> None:
-        for key, n in plan.num_scheduled_tokens.items():
-            req = self._by_key[key]
-            span = req.prompt_logprob_positions(req.num_computed_tokens, n)
-            if span:
-                k = req.sampling.prompt_logprobs
-                assert k is not None
-                plan.prompt_logprobs[key] = PromptLogprobsSpan(span.start, span.stop, k)
+                self._mirror.add_to(plan, child)
+            if req.grammar is not None and key not in plan.self_drafts:
+                grammar += [key] + [c.key for c in req.children]
+        if grammar:
+            self._plan_masks(plan, grammar)
 
     def _plan_masks(self, plan: StepPlan, keys: list[str]) -> None:
         """The grammar's allowed tokens at each sampling position of these choices."""
@@ -378,7 +379,7 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
             shown = None if req.sampling.logprobs is None else [logprobs]
-            deltas.append(_delta(req, [token], shown))
+            deltas.append(delta(req, [token], shown))
         for rid in beam_groups:
             deltas += self._beam_step(rid)
         return deltas
@@ -394,47 +395,28 @@ class Scheduler:
     # ---- beam search -----------------------------------------------------------------------
 
     def _beam_step(self, rid: str) -> list[TokenDelta]:
-        """Once every live beam of the group has its candidates: keep the k best
-        continuations, forking beams that continue twice and parking those that end."""
+        """Apply the beam module's decisions for the group (beam_search.plan_step)."""
         group = self.groups[rid]
-        live = [r for r in group if r.status == RequestStatus.RUNNING]
-        if any(r.beam_candidates is None for r in live):
-            return []  # NOTE: a sibling was preempted this step; select when it catches up
-        unique: dict[tuple[int, ...], Request] = {}
-        for r in live:  # right after the prompt all k beams are the same beam
-            unique.setdefault(tuple(r.output_token_ids), r)
-        beams = list(unique.values())
-        s = beams[0].sampling
+        s = group[0].sampling
         ends = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos_token_ids))
-        chosen, ended = beam_search.select(
-            [(r.output_token_ids, r.cumulative_logprob, r.beam_candidates) for r in beams],
-            s.n, frozenset(ends), [r.num_output_tokens + 1 > s.min_tokens for r in beams])
-        finished = self.beam_finished.setdefault(rid, [])
-        finished.extend(ended)
-        keep: dict[int, beam_search.Continuation] = {}
-        extra: list[beam_search.Continuation] = []
-        for c in chosen:
-            if c.parent in keep:
-                extra.append(c)  # a second continuation of one beam: fork a spare into it
-            else:
-                keep[c.parent] = c
-        keepers = {beams[p].key for p in keep}
-        spares = [r for r in group if r.key not in keepers]
-        for r in spares:
-            self._park(r)
-        assigned = [(beams[p], c) for p, c in keep.items()]
-        for c in extra:
-            r = spares.pop()
-            r.become_copy_of(beams[c.parent])
-            self._mirror.rewrite_tokens(r, r.num_prompt_tokens)
-            self._fork(beams[c.parent], r)
-            assigned.append((r, c))
-        for r, c in assigned:
-            r.append_token(c.token_id)
-            r.cumulative_logprob = c.score
+        step = beam_search.plan_step([_member(r) for r in group], s.n, frozenset(ends),
+                                     s.min_tokens)
+        if step is None:
+            return []
+        self.beam_finished.setdefault(rid, []).extend(step.ended)
+        for i in step.park:
+            self._park(group[i])
+        for spare, parent in step.forks:
+            group[spare].become_copy_of(group[parent])
+            self._mirror.rewrite_tokens(group[spare], group[spare].num_prompt_tokens)
+            self._fork(group[parent], group[spare])
+        for i, token, score in step.append:
+            group[i].append_token(token)
+            group[i].cumulative_logprob = score
+        live = [group[i] for i, _, _ in step.append]
         for r in group:
             r.beam_candidates = None
-        return self._beam_finish_if_done(rid, [r for r, _ in assigned])
+        return self._beam_finish_if_done(rid, live)
 
     def _park(self, req: Request) -> None:
         """A beam with no continuation keeps its place (index) in the group but no blocks."""
@@ -446,37 +428,25 @@ class Scheduler:
     def _beam_finish_if_done(self, rid: str, live: list[Request]) -> list[TokenDelta]:
         group = self.groups[rid]
         s = group[0].sampling
-        finished = self.beam_finished[rid]
-        longest = max((r.num_tokens for r in live), default=0)
-        out_len = max((r.num_output_tokens for r in live), default=0)
-        best_live = max((r.cumulative_logprob for r in live), default=float("-inf"))
-        if (live and out_len < max(r.max_tokens for r in live)
-                and longest < self.config.max_model_len
-                and not beam_search.done(finished, best_live, out_len, s.n, s.length_penalty)):
+        at_limit = bool(live) and (
+            max(r.num_output_tokens for r in live) >= max(r.max_tokens for r in live)
+            or max(r.num_tokens for r in live) >= self.config.max_model_len)
+        top = beam_search.final(self.beam_finished[rid], [_member(r) for r in live], s.n,
+                                s.length_penalty, at_limit)
+        if top is None:
             return []
-        hyps = finished + [beam_search.Hypothesis(r.output_token_ids, r.cumulative_logprob,
-                                                  False) for r in live]
-        top = beam_search.best(hyps, s.n, s.length_penalty)
-        first = group[0]
-        group_all = list(group)
-        deltas = [
-            TokenDelta(request_id=rid, new_token_ids=h.token_ids, index=i,
-                       finish_reason="stop" if h.finished else "length",
-                       cumulative_logprob=h.score, num_prompt_tokens=first.num_prompt_tokens,
-                       num_cached_tokens=first.num_cached_tokens)
-            for i, h in enumerate(top)
-        ]
-        for r in list(group):
+        members = list(group)
+        for r in members:
             self._finish(r, RequestStatus.FINISHED_STOPPED)  # the last one drops the group
-        for d in deltas:  # a hypothesis is not one beam: the group's totals stand for each
-            d.metrics = _group_metrics(group_all)
-        return deltas
+        return beam_deltas(rid, top, members)
 
     # ---- speculative decoding ---------------------------------------------------------------
 
     def _settle_speculation(self, plan: StepPlan, output: RunnerOutput) -> None:
         """Roll back the KV of rejected drafts, count, and adapt each request's gamma."""
         spec = self.config.spec
+        if not plan.spec_token_ids:
+            return
         for row in plan.sampling:
             req, accepted = self._by_key[row.key], output.sampled[row.key].accepted
             proposed = len(req.spec_token_ids)
@@ -502,7 +472,7 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
                 break
-        return _delta(req, kept)
+        return delta(req, kept)
 
     def _drop_speculation(self, req: Request) -> None:
         req.spec_token_ids = []
@@ -555,55 +525,14 @@ class Scheduler:
             self.beam_finished.pop(req.request_id, None)
 
 
+def _member(r: Request) -> beam_search.Member:
+    return beam_search.Member(r.output_token_ids, r.cumulative_logprob, r.beam_candidates,
+                              r.status == RequestStatus.RUNNING)
+
+
 def _can_speculate(req: Request) -> bool:
     s = req.sampling
     return (s.n == 1 and not s.best_of and not s.use_beam_search and s.logprobs is None
             and not s.logit_bias
             and not (s.repetition_penalty != 1.0 or s.presence_penalty or s.frequency_penalty)
             and req.num_output_tokens >= s.min_tokens and req.num_output_tokens > 0)
-
-
-def _delta(req: Request, tokens: list[int], logprobs=None) -> TokenDelta:
-    prompt = None
-    if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and tokens:
-        prompt, req.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, [], True
-    return TokenDelta(
-        prompt_logprobs=prompt,
-        request_id=req.request_id,
-        new_token_ids=tokens,
-        finish_reason=req.finish_reason,
-        stop_reason=req.stop_reason,
-        logprobs=logprobs,
-        num_prompt_tokens=req.num_prompt_tokens,
-        num_cached_tokens=req.num_cached_tokens,
-        index=req.index,
-        cumulative_logprob=req.cumulative_logprob if req.sampling.best_of else None,
-        scheduled_time=req.scheduled_time if req.num_output_tokens == len(tokens) else None,
-        metrics=_metrics(req) if req.finish_reason is not None else None,
-        error=req.error if req.finish_reason is not None else None,
-        error_param=req.error_param if req.finish_reason is not None else None,
-    )
-
-
-def _metrics(req: Request) -> RequestMetrics:
-    return RequestMetrics(
-        scheduled_time=req.scheduled_time,
-        first_token_time=req.first_token_time,
-        finished_time=req.finished_time,
-        num_preemptions=req.num_preemptions,
-        num_recomputed_tokens=req.num_recomputed_tokens,
-        num_spec_draft_tokens=req.num_spec_draft_tokens,
-        num_spec_accepted_tokens=req.num_spec_accepted_tokens,
-    )
-
-
-def _group_metrics(group: list[Request]) -> RequestMetrics:
-    """A beam group's metrics: its earliest times and its summed work."""
-    firsts = [r.first_token_time for r in group if r.first_token_time is not None]
-    return RequestMetrics(
-        scheduled_time=group[0].scheduled_time,
-        first_token_time=min(firsts, default=None),
-        finished_time=max(r.finished_time for r in group),
-        num_preemptions=sum(r.num_preemptions for r in group),
-        num_recomputed_tokens=sum(r.num_recomputed_tokens for r in group),
-    )

@@ -2,6 +2,10 @@
 lists, bytes and enums): the scheduler's StepPlan, the runner's draft proposals and its
 RunnerOutput. Both sides import only this; tensor-parallel ranks receive the plan encoded.
 
+NOTE: gc=False: these hold only ints, strings, bytes, lists and other plan structs, never a
+reference back, so they cannot be in a cycle; untracked, a step's hundreds of them do not bring
+on garbage collections in the busy loop.
+
 Modelled on vLLM v1's SchedulerOutput: a request (one choice of it, named by its key) is sent
 in full once (NewRequest), then as diffs (CachedRequest). The runner keeps what it was sent
 (tokens, block table, generator) until the key is in `finished_keys`.
@@ -29,13 +33,13 @@ class CopyKind(enum.IntEnum):
     CPU_TO_GPU = 2  # swap in
 
 
-class BlockCopy(msgspec.Struct, array_like=True, frozen=True):
+class BlockCopy(msgspec.Struct, array_like=True, frozen=True, gc=False):
     kind: CopyKind
     src: int  # block id in the source pool (device pool, or the CPU pool for CPU_TO_GPU)
     dst: int  # block id in the destination pool
 
 
-class Diff(msgspec.Struct, array_like=True, frozen=True):
+class Diff(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Edit of a list the runner mirrors: keep its first `start` entries, then append `values`
     (an append is start == the old length; a rewrite from 0 replaces the list)."""
 
@@ -43,7 +47,7 @@ class Diff(msgspec.Struct, array_like=True, frozen=True):
     values: list[int]
 
 
-class NewRequest(msgspec.Struct, frozen=True):
+class NewRequest(msgspec.Struct, frozen=True, gc=False):
     """A choice the runner has not seen: everything it needs, once."""
 
     key: str  # choice_key(request_id, index)
@@ -55,7 +59,7 @@ class NewRequest(msgspec.Struct, frozen=True):
     num_computed_tokens: int  # tokens whose K/V are in the cache (prefix-cache hits count)
 
 
-class CachedRequest(msgspec.Struct, frozen=True):
+class CachedRequest(msgspec.Struct, frozen=True, gc=False):
     """What changed for a choice the runner already holds, since it was last in a plan.
 
     A choice resumed after preemption (swapped back in, or readmitted to be recomputed) keeps
@@ -67,12 +71,12 @@ class CachedRequest(msgspec.Struct, frozen=True):
     num_computed_tokens: int
 
 
-class SampleRow(msgspec.Struct, array_like=True, frozen=True):
+class SampleRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
     key: str  # the choice that samples a token this step
     logits_key: str  # whose last position's logits it samples: itself, or (n > 1) its parent
 
 
-class GrammarMask(msgspec.Struct, array_like=True, frozen=True):
+class GrammarMask(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Allowed tokens at a choice's sampling positions: int32 [rows, ceil(vocab / 32)] in
     little-endian bytes, bit t of a row set = token t allowed. Row i masks the position after
     i verified draft tokens; positions past `rows` (after a draft the grammar refuses) are
@@ -83,7 +87,7 @@ class GrammarMask(msgspec.Struct, array_like=True, frozen=True):
     data: bytes
 
 
-class PromptLogprobsSpan(msgspec.Struct, array_like=True, frozen=True):
+class PromptLogprobsSpan(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Positions start..stop-1 of a choice give prompt logprobs (position i predicts token
     i + 1), each with its top `k`."""
 
@@ -92,7 +96,7 @@ class PromptLogprobsSpan(msgspec.Struct, array_like=True, frozen=True):
     k: int
 
 
-class StepPlan(msgspec.Struct):
+class StepPlan(msgspec.Struct, gc=False):
     """One step, decided by the scheduler. The runner applies the request entries, runs the
     block copies, then computes num_scheduled_tokens[key] tokens for each key (in its own
     order, decodes first)."""
@@ -124,19 +128,19 @@ class StepPlan(msgspec.Struct):
         return not self.num_scheduled_tokens
 
 
-class DraftProposals(msgspec.Struct):
+class DraftProposals(msgspec.Struct, gc=False):
     """Runner.propose's answer: key -> the draft tokens it proposed (gamma each)."""
 
     token_ids: dict[str, list[int]] = {}
 
 
-class Sampled(msgspec.Struct, array_like=True):
+class Sampled(msgspec.Struct, array_like=True, gc=False):
     token_id: int  # the token sampled after the accepted drafts
     accepted: list[int]  # the draft tokens verification kept ([] without drafts)
     logprobs: PositionLogprobs | None  # when the choice asked (or best_of / beams need it)
 
 
-class RunnerOutput(msgspec.Struct):
+class RunnerOutput(msgspec.Struct, gc=False):
     sampled: dict[str, Sampled] = {}  # by key, one per SampleRow
     prompt_logprobs: dict[str, list[PositionLogprobs]] = {}  # by key, in position order
 

@@ -37,3 +37,11 @@ def test_offline_breakdown_without_baseline(tiny_model_dir: Path, capsys) -> Non
                   "--baseline", "none", "--breakdown"])
     out = capsys.readouterr().out
     assert "pagedserve" in out and "model forward" in out and "hf-static" not in out
+
+
+def test_step_overhead_drives_the_scheduler_to_completion():
+    from bench.step_overhead import measure
+
+    r = measure(num_requests=4, prompt_len=20, output_len=5)
+    # 20-token prompts fit one step, then 4 more decode steps (the first token comes with it)
+    assert r["steps"] == 5

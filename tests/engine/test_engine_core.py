@@ -3,10 +3,12 @@ greedy parity with HF transformers on the same weights (the safetensors path, GQ
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
 from engine.core import EngineCore
+from engine.step_plan import RunnerOutput, StepPlan
 from ipc.config import EngineConfig
 from ipc.messages import AddRequest
 from ipc.sampling import SamplingParams
@@ -89,6 +91,54 @@ def test_preemption_loses_no_output(make_core):
     assert results[0] == results[1]
     assert all(len(v) == 40 for v in results[1].values())
     assert tight.kv.num_free_blocks == 24
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_seeded_sampling_is_the_same_under_preemption(make_core, mode):
+    """The runner keeps a choice's seeded generator in its row across preemption."""
+    prompts = [prompt(30, i) for i in range(4)]
+    params = SamplingParams(temperature=1.0, top_k=50, seed=7, max_tokens=40, ignore_eos=True)
+    results = []
+    for blocks in (200, 24):
+        core = make_core(num_gpu_blocks=blocks, block_size=4, preemption_mode=mode,
+                         swap_space=0.01)
+        for i, p in enumerate(prompts):
+            add(core, str(i), p, params)
+        results.append(run_to_end(core)[0])
+        assert (core.scheduler.num_preemptions > 0) == (blocks == 24)
+        assert core.step() == [] and core.runner.states.rows == {}  # the next plan drops them
+    assert results[0] == results[1]
+
+
+def test_the_runner_takes_and_returns_plain_data_keyed_by_choice(make_core):
+    """Every plan and runner output of a mixed workload (n > 1, logprobs, prompt logprobs)
+    survives a msgpack round trip; the runner answers exactly the plan's sampling keys."""
+    core = make_core(max_logprobs=5)
+    seen: list[tuple[StepPlan, RunnerOutput]] = []
+    execute = core.runner.execute
+
+    def recording(plan):
+        output = execute(plan)
+        seen.append((plan, output))
+        return output
+
+    core.runner.execute = recording
+    add(core, "a", prompt(9), SamplingParams(n=2, seed=3, max_tokens=4, logprobs=2))
+    add(core, "b", prompt(12, 1), SamplingParams(temperature=0, max_tokens=3,
+                                                 prompt_logprobs=1))
+    ends = []
+    while core.has_unfinished_requests():
+        ends += [(d.request_id, d.index) for d in core.step() if d.finished]
+    assert sorted(ends) == [("a", 0), ("a", 1), ("b", 0)]  # one terminal delta each
+    for plan, output in seen:
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=StepPlan) == plan
+        again = msgspec.msgpack.decode(msgspec.msgpack.encode(output), type=RunnerOutput)
+        assert again == output
+        assert list(output.sampled) == [r.key for r in plan.sampling]
+    keys = {r.key for plan, _ in seen for r in plan.sampling}
+    assert keys == {"a", "1_a", "b"}
+    prompt_logprobs = [lp for _, out in seen for lp in out.prompt_logprobs.get("b", [])]
+    assert len(prompt_logprobs) == 11  # prompt tokens 1 .. 11
 
 
 def test_terminal_deltas_carry_the_request_timeline(make_core):
