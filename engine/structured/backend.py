@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 import llguidance
 import numpy as np
-import torch
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from engine.structured.errors import GrammarError
@@ -99,7 +98,7 @@ class Grammar:
 
 
 class Masker:
-    """Fills allowed-token bitmasks for a batch of matchers and applies them to logits."""
+    """Fills allowed-token bitmasks for a batch of matchers (the sampler applies them)."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -115,22 +114,3 @@ class Masker:
             fill_next_token_bitmask_par(self._executor,
                                         [(m.raw, i) for i, m in enumerate(matchers)], mask)
         return mask
-
-    def allowed(self, bitmask: np.ndarray) -> torch.Tensor:
-        """bool [rows, vocab] from an int32 bitmask."""
-        # NOTE: little-endian bit order within each int32 word = token order within bytes
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
-        return torch.from_numpy(bits[:, : self.vocab_size]).view(torch.bool)
-
-    def apply(self, logits: torch.Tensor, rows: Sequence[int],
-              matchers: Sequence[Matcher]) -> torch.Tensor:
-        """logits [n, vocab] with disallowed tokens of `rows` (one matcher each) at -inf."""
-        if not rows:
-            return logits
-        allowed = self.allowed(self.bitmask(matchers)).to(logits.device)
-        if len(rows) == logits.shape[0]:  # NOTE: rows are distinct: every row, in order
-            return logits.masked_fill(~allowed, float("-inf"))
-        logits = logits.clone()
-        idx = torch.tensor(list(rows), device=logits.device)
-        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
-        return logits
