@@ -44,15 +44,36 @@ Q8_0 = 8
 @dataclass
 class QuantWeight:
     """One 2-D weight: raw blocks [rows, row_bytes] of ggml type `type_id` holding `cols`
-    weights per row, or (type_id None) a dense float32 tensor [rows, cols]."""
+    weights per row, or (type_id None) a dense float32 tensor [rows, cols]; packed: the
+    blocks repacked into kernels/cpu_quant.c's 16-feature tiles (a 1-D uint8 tensor)."""
 
     data: torch.Tensor
     type_id: int | None
     rows: int
     cols: int
+    packed: bool = False
 
     def permute_rows(self, index: torch.Tensor) -> QuantWeight:
+        assert not self.packed
         return QuantWeight(self.data[index].contiguous(), self.type_id, self.rows, self.cols)
+
+    def pack(self) -> QuantWeight:
+        """The packed form where this CPU and type have the packed kernels, else self.
+        NOTE: the packed kernels are 2.5-5x faster at 1-8 rows (576 -> 3072 Q4_1, one row,
+        two threads: a8 0.020 ms against 0.096 on raw blocks, a32 0.049 against 0.099)."""
+        if self.packed or self.type_id is None or not cpu_quant.packs(self.type_id, self.cols):
+            return self
+        return QuantWeight(cpu_quant.pack(self.data, self.type_id, self.cols), self.type_id,
+                           self.rows, self.cols, packed=True)
+
+    def rows_f32(self, ids: torch.Tensor | None = None, first: int = 0,
+                 count: int | None = None) -> torch.Tensor:
+        """float32 rows `ids` (or first..first+count) of a quantized weight."""
+        if self.packed:
+            return cpu_quant.packed_rows(self.data, self.type_id, self.rows, self.cols, ids=ids,
+                                         first=first, count=count)
+        return cpu_quant.dequantize_rows(self.data, self.type_id, self.cols, ids=ids,
+                                         first=first, count=count)
 
     @property
     def nbytes(self) -> int:
@@ -73,7 +94,7 @@ class QuantLinear(nn.Module):
         self.in_features = cols.pop()
         self.out_features = sum(p.rows for p in parts)
         # NOTE: not Parameters or buffers: to_empty() must not replace them
-        self.parts = _merge_same_type(parts)
+        self.parts = [p.pack() for p in _merge_same_type(parts)]
         self.numerics = numerics
         self.bias = None if bias is None else bias.detach().float()
 
@@ -89,6 +110,16 @@ class QuantLinear(nn.Module):
             dst = out[:, start : start + p.rows]
             if p.type_id is None:
                 dst.copy_(F.linear(x2, p.data))
+            elif p.packed and rows > PREFILL_ROWS:
+                tiles = TILE_FEATURES // 16
+                for t0 in range(0, (p.rows + 15) // 16, tiles):
+                    n0, n = 16 * t0, min(TILE_FEATURES, p.rows - 16 * t0)
+                    tile_t = cpu_quant.packed_kmajor(p.data, p.type_id, p.rows, p.cols, t0,
+                                                     t0 + (n + 15) // 16)
+                    dst[:, n0 : n0 + n] = x2 @ tile_t[:, :n]
+            elif p.packed:
+                cpu_quant.packed_matmul(x2, p.data, p.type_id, p.rows, p.cols, self.numerics,
+                                        out=dst)
             elif rows > PREFILL_ROWS:
                 for n0 in range(0, p.rows, TILE_FEATURES):
                     n = min(TILE_FEATURES, p.rows - n0)
@@ -129,13 +160,12 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         if weight.type_id is None:
             raise ValueError("QuantEmbedding needs a quantized weight")
-        self.weight_q = weight
+        self.weight_q = weight.pack()
         self.num_embeddings, self.embedding_dim = weight.rows, weight.cols
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        w = self.weight_q
-        rows = cpu_quant.dequantize_rows(w.data, w.type_id, w.cols, ids=ids.reshape(-1))
-        return rows.view(*ids.shape, w.cols)
+        rows = self.weight_q.rows_f32(ids=ids.reshape(-1))
+        return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, "
@@ -179,8 +209,8 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantWeight], numeric
     if embed is not None and embed.type_id is not None:
         model.embed_tokens = QuantEmbedding(embed)
         used.add("model.embed_tokens.weight")
-        if getattr(model, "lm_head", None) is None:
-            model.lm_head = QuantLinear([embed], None, numerics)  # NOTE: tied: the same blocks
+        if getattr(model, "lm_head", None) is None:  # NOTE: tied: the same (packed) blocks
+            model.lm_head = QuantLinear([model.embed_tokens.weight_q], None, numerics)
     head = weights.get("lm_head.weight")
     if head is not None and head.type_id is not None and model.lm_head is not None:
         model.lm_head = QuantLinear([head], None, numerics)
@@ -232,9 +262,8 @@ def quantize_dense_model(model: nn.Module, numerics: str) -> int:
             count += 1
     embed = getattr(model, "embed_tokens", None)
     if type(embed) is nn.Embedding and embed.embedding_dim % 32 == 0:
-        q = quantize_q8_0(embed.weight)
-        model.embed_tokens = QuantEmbedding(q)
+        model.embed_tokens = QuantEmbedding(quantize_q8_0(embed.weight))
         if getattr(model, "lm_head", None) is None:
-            model.lm_head = QuantLinear([q], None, numerics)
+            model.lm_head = QuantLinear([model.embed_tokens.weight_q], None, numerics)
         count += 1
     return count
