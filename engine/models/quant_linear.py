@@ -97,9 +97,21 @@ class QuantLinear(nn.Module):
         self.parts = [p.pack() for p in _merge_same_type(parts)]
         self.numerics = numerics
         self.bias = None if bias is None else bias.detach().float()
+        one = self.parts[0]
+        self._product = cpu_quant.PackedProduct(one.data, one.type_id, one.rows, one.cols,
+                                                numerics) if (
+            len(self.parts) == 1 and one.packed and self.bias is None) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if (self._product is not None and x.dtype == torch.float32 and x.is_contiguous()
+                and x.numel() <= PREFILL_ROWS * self.in_features):
+            # NOTE: the decode-sized fast path: one packed part, no bias, no copies
+            x2 = x.view(-1, self.in_features)
+            out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+            if x2.shape[0]:
+                self._product(x2, out)
+            return out.view(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).float()
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
