@@ -886,6 +886,27 @@ T5F static void ptiles_kmajor(int type, const uint8_t *packed, int64_t G, int64_
 }
 #endif
 
+#if defined(__x86_64__) || defined(__i386__)
+/* quantize_row with AVX-512: the same numbers (cvtps rounds to nearest even, as nearbyintf
+ * does in the default rounding mode; |x| / dx <= 127 needs no clamp beyond the saturating
+ * narrowing). */
+T5F static void quantize_row_avx512(const float *x, int64_t K, int8_t *q, float *dx, float *sx)
+{
+    for (int64_t g = 0; g < K / 32; g++) {
+        const __m512 a = _mm512_loadu_ps(x + g * 32), b = _mm512_loadu_ps(x + g * 32 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, vid));
+        const __m512i ib = _mm512_cvtps_epi32(_mm512_mul_ps(b, vid));
+        _mm_storeu_si128((__m128i *)(q + g * 32), _mm512_cvtsepi32_epi8(ia));
+        _mm_storeu_si128((__m128i *)(q + g * 32 + 16), _mm512_cvtsepi32_epi8(ib));
+        dx[g] = d;
+        sx[g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
+    }
+}
+#endif
+
 static int quantize_act(const float *x, int64_t xs, int64_t M, int64_t K, QAct *qa,
                         int num_threads)
 {
@@ -897,9 +918,21 @@ static int quantize_act(const float *x, int64_t xs, int64_t M, int64_t K, QAct *
         free(qa->q), free(qa->dx), free(qa->sx);
         return -1;
     }
+#if defined(__x86_64__) || defined(__i386__)
+    const int simd = isa_supported(ISA_AVX512);
+#else
+    const int simd = 0;
+#endif
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= 8)
-    for (int64_t r = 0; r < M; r++)
+    for (int64_t r = 0; r < M; r++) {
+#if defined(__x86_64__) || defined(__i386__)
+        if (simd) {
+            quantize_row_avx512(x + r * xs, K, qa->q + r * K, qa->dx + r * G, qa->sx + r * G);
+            continue;
+        }
+#endif
         quantize_row(x + r * xs, K, qa->q + r * K, qa->dx + r * G, qa->sx + r * G);
+    }
     return 0;
 }
 
@@ -966,20 +999,10 @@ int quant_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const float *
         isa = best_isa();
     if (!isa_supported(isa))
         return -1;
-    const int64_t rb = K / be * block_bytes(type), G = K / 32;
+    const int64_t rb = K / be * block_bytes(type);
     QAct qa = {NULL, NULL, NULL};
-    if (numerics == NUM_A8) {
-        qa.q = malloc((size_t)(M * K));
-        qa.dx = malloc(sizeof(float) * (size_t)(M * G));
-        qa.sx = malloc(sizeof(float) * (size_t)(M * G));
-        if (!qa.q || !qa.dx || !qa.sx) {
-            free(qa.q), free(qa.dx), free(qa.sx);
-            return -1;
-        }
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= 8)
-        for (int64_t r = 0; r < M; r++)
-            quantize_row(x + r * xs, K, qa.q + r * K, qa.dx + r * G, qa.sx + r * G);
-    }
+    if (numerics == NUM_A8 && quantize_act(x, xs, M, K, &qa, num_threads))
+        return -1;
     /* NOTE: a32 from GEMM_ROWS rows on AVX-512: expanded tiles (gemm_avx512) */
     const int gemm = numerics == NUM_A32 && isa == ISA_AVX512 && M >= GEMM_ROWS;
     const int64_t step = gemm ? GEMM_CHUNK : NCHUNK, chunks = (N + step - 1) / step;
