@@ -185,8 +185,13 @@ class MLP(nn.Module):
         self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"
+        # the whole MLP in one call for decode-sized batches (quant_linear.QuantMLP, set when
+        # both projections are packed quantized layers)
+        self.fused: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and self.fused.fits(x):
+            return self.fused(x)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.llama import MLP
 from kernels import cpu_quant
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,34 @@ def _merge_same_type(parts: list[QuantWeight]) -> list[QuantWeight]:
     return merged
 
 
+class QuantMLP(nn.Module):
+    """An MLP's gate/up and down products and its activation in one kernel call
+    (cpu_quant.PackedMLP) for up to PREFILL_ROWS rows; the MLP keeps its own path otherwise.
+    NOTE: one call instead of two products and three torch ops per layer: 30-40 us of a
+    decode step's per-layer overhead on SmolLM2-135M."""
+
+    def __init__(self, gate_up: QuantLinear, down: QuantLinear, act: str) -> None:
+        super().__init__()
+        gu, dn = gate_up.parts[0], down.parts[0]
+        self.hidden = down.out_features
+        self._mlp = cpu_quant.PackedMLP(gu.data, gu.type_id, dn.data, dn.type_id, self.hidden,
+                                        down.in_features, gate_up.numerics, act)
+
+    @staticmethod
+    def applies(gate_up: nn.Module, down: nn.Module) -> bool:
+        return all(isinstance(m, QuantLinear) and m._product is not None
+                   for m in (gate_up, down)) and gate_up.out_features == 2 * down.in_features
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.dtype == torch.float32 and x.is_contiguous()
+                and 0 < x.numel() <= PREFILL_ROWS * self.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self._mlp(x.view(-1, self.hidden), out.view(-1, self.hidden))
+        return out
+
+
 class QuantEmbedding(nn.Module):
     """Embedding rows gathered from blocks and expanded to float32 per lookup."""
 
@@ -227,7 +256,15 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantWeight], numeric
     if head is not None and head.type_id is not None and model.lm_head is not None:
         model.lm_head = QuantLinear([head], None, numerics)
         used.add("lm_head.weight")
+    fuse_mlps(model)
     return used
+
+
+def fuse_mlps(model: nn.Module) -> None:
+    """Give every MLP whose gate/up and down are packed quantized layers its one-call path."""
+    for m in model.modules():
+        if isinstance(m, MLP) and QuantMLP.applies(m.gate_up_proj, m.down_proj):
+            m.fused = QuantMLP(m.gate_up_proj, m.down_proj, "gelu_tanh" if m.gelu else "silu")
 
 
 def count_weights(model: nn.Module) -> int:
@@ -278,4 +315,5 @@ def quantize_dense_model(model: nn.Module, numerics: str) -> int:
         if getattr(model, "lm_head", None) is None:
             model.lm_head = QuantLinear([model.embed_tokens.weight_q], None, numerics)
         count += 1
+    fuse_mlps(model)
     return count
