@@ -224,16 +224,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         args.model = str(bundled_gguf())
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
-    results = []
+    results: list[dict] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # NOTE: after every server, so a run cut short keeps what it measured
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                        "results": results}, indent=1))
+
     for kind in [s for s in args.servers.split(",") if s]:
         print(f"{kind}: starting", flush=True)
         results.append(bench_server(kind, args))
+        save()
     for item in args.url:
         name, _, url = item.partition("=")
         results.append(bench_server(name, args, url))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                    "results": results}, indent=1))
+        save()
     print("\n".join(ratio_table(results)))
     return results
 
