@@ -38,18 +38,31 @@ ROOT = Path(__file__).resolve().parents[1]
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants."""
-    total, todo = 0, [pid]
+def process_rss(pid: int) -> dict[str, int]:
+    """Resident bytes of a process and each of its descendants, by command line."""
+    found, todo = {}, [pid]
     while todo:
         p = todo.pop()
         try:
-            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * _PAGE
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+            found[f"{p} {cmd}"] = int(Path(f"/proc/{p}/statm").read_text().split()[1]) * _PAGE
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, ValueError):
             continue
-    return total
+    return found
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants."""
+    return sum(process_rss(pid).values())
+
+
+def engine_rss(by_process: dict[str, int]) -> int:
+    """The engine process's resident bytes (pagedserve's `-m engine` child), else the tree's
+    (llama.cpp's server is one process)."""
+    engines = [v for k, v in by_process.items() if " -m engine " in k]
+    return engines[0] if engines else sum(by_process.values())
 
 
 class RssSampler:
@@ -139,11 +152,14 @@ def bench_server(kind: str, args: argparse.Namespace, url: str | None = None) ->
     try:
         wait_ready(url, proc, args.startup_timeout)
         ready = time.monotonic() - start
-        idle_rss = tree_rss(proc.pid) if proc else None
+        by_process = process_rss(proc.pid) if proc else {}
         with RssSampler(proc.pid if proc else os.getpid()) as rss:
             points = asyncio.run(run_points(url, kind, args))
         return {"server": kind, "url": url, "time_to_ready_s": ready if proc else None,
-                "rss_ready_bytes": idle_rss, "rss_peak_bytes": rss.peak if proc else None,
+                "rss_ready_bytes": sum(by_process.values()) if proc else None,
+                "rss_peak_bytes": rss.peak if proc else None,
+                "rss_ready_by_process": by_process,
+                "engine_rss_ready_bytes": engine_rss(by_process) if proc else None,
                 "points": points}
     finally:
         if proc is not None:
@@ -169,13 +185,13 @@ def ratio_table(results: list[dict]) -> list[str]:
                 row.append(f"{p['output_tokens_per_s'] / q['output_tokens_per_s']:.2f}x tok/s"
                            if q and q["output_tokens_per_s"] else "-")
             lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "| server | time to ready s | RSS ready MiB | RSS peak MiB |",
-              "| --- | --- | --- | --- |"]
+    lines += ["", "| server | time to ready s | RSS ready MiB (all processes) | engine RSS "
+              "ready MiB | RSS peak MiB |", "| --- | --- | --- | --- | --- |"]
     for r in results:
-        mib = [f"{v / 2**20:.0f}" if v else "-" for v in (r["rss_ready_bytes"],
-                                                          r["rss_peak_bytes"])]
+        mib = [f"{v / 2**20:.0f}" if v else "-" for v in (
+            r["rss_ready_bytes"], r.get("engine_rss_ready_bytes"), r["rss_peak_bytes"])]
         ready = f"{r['time_to_ready_s']:.1f}" if r["time_to_ready_s"] else "-"
-        lines.append(f"| {r['server']} | {ready} | {mib[0]} | {mib[1]} |")
+        lines.append(f"| {r['server']} | {ready} | {' | '.join(mib)} |")
     return lines
 
 
@@ -208,16 +224,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         args.model = str(bundled_gguf())
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
-    results = []
+    results: list[dict] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # NOTE: after every server, so a run cut short keeps what it measured
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                        "results": results}, indent=1))
+
     for kind in [s for s in args.servers.split(",") if s]:
         print(f"{kind}: starting", flush=True)
         results.append(bench_server(kind, args))
+        save()
     for item in args.url:
         name, _, url = item.partition("=")
         results.append(bench_server(name, args, url))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                    "results": results}, indent=1))
+        save()
     print("\n".join(ratio_table(results)))
     return results
 

@@ -634,6 +634,475 @@ int best_isa(void)
     return isa_supported(ISA_AVX512) ? ISA_AVX512 : isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
 }
 
+/* ---- packed tiles (AVX-512): 16 output features interleaved ------------------------------
+ * Q4_0, Q4_1 and Q8_0 matrices can be repacked once at load (quant_pack) into tiles of 16
+ * features. Tile t holds features 16t..16t+15 (zeros past N); per 32-weight group g, in order:
+ * the 16 fp16 scales d, (Q4_1) the 16 fp16 mins m, then the quants as zmm-sized rows of 64
+ * bytes where the dword of lane j holds 4 consecutive weights of feature j:
+ *   Q4: 4 rows; row r, lane j, byte i = raw byte qs[4r + i] of feature j, i.e. low nibble
+ *       weight 4r+i, high nibble weight 16+4r+i (the raw layout, transposed by dwords);
+ *   Q8: 8 rows; row r, lane j, byte i = weight 4r+i of feature j, xor 0x80 (unsigned q+128).
+ * So every type reads w = d u + m with u unsigned (m = -8d for Q4_0, -128d for Q8_0), and one
+ * vpdpbusd of a row with a broadcast dword of int8 activations gives 16 features' partial dots
+ * at once (no horizontal sums); a32 expands the same rows to 16 features' floats per weight.
+ * Same bytes as the raw blocks. */
+
+static inline int packs(int type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
+
+static inline int pgroup_bytes(int type)
+{
+    return type == T_Q4_0 ? 32 + 256 : type == T_Q4_1 ? 64 + 256 : type == T_Q8_0 ? 32 + 512 : 0;
+}
+
+int64_t quant_packed_bytes(int type, int64_t N, int64_t K)
+{
+    if (!packs(type) || K % 32 != 0 || N < 1)
+        return -1;
+    return (N + 15) / 16 * (K / 32) * pgroup_bytes(type);
+}
+
+/* raw blocks [N, K / 32 blocks] -> packed tiles (quant_packed_bytes(type, N, K) bytes) */
+int quant_pack(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *packed)
+{
+    if (quant_packed_bytes(type, N, K) < 0)
+        return -1;
+    const int64_t G = K / 32, rb = G * block_bytes(type), gb = pgroup_bytes(type);
+    const int qoff = type == T_Q4_1 ? 64 : 32;
+    memset(packed, 0, (size_t)quant_packed_bytes(type, N, K));
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t t = n / 16, j = n % 16;
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *blk = w + n * rb + g * block_bytes(type);
+            uint8_t *p = packed + (t * G + g) * gb;
+            memcpy(p + 2 * j, blk, 2);
+            if (type == T_Q4_1)
+                memcpy(p + 32 + 2 * j, blk + 2, 2);
+            uint8_t *q = p + qoff;
+            if (type == T_Q8_0) {
+                for (int k = 0; k < 32; k++)
+                    q[(k / 4) * 64 + j * 4 + k % 4] = blk[2 + k] ^ 0x80;
+            } else {
+                const uint8_t *qs = blk + (type == T_Q4_0 ? 2 : 4);
+                for (int k = 0; k < 16; k++)
+                    q[(k / 4) * 64 + j * 4 + k % 4] = qs[k];
+            }
+        }
+    }
+    return 0;
+}
+
+/* The unsigned integer of weight k (0..31) of lane j in a packed group's quants. */
+static inline int packed_u(int type, const uint8_t *q, int j, int k)
+{
+    if (type == T_Q8_0)
+        return q[(k / 4) * 64 + j * 4 + k % 4];
+    const uint8_t b = q[((k % 16) / 4) * 64 + j * 4 + k % 4];
+    return k < 16 ? (b & 0xF) : (b >> 4);
+}
+
+/* out[i, :] = the float32 weights of feature ids[i] (ids NULL: first + i) of a packed matrix. */
+int quant_packed_rows(int type, const uint8_t *packed, int64_t N, int64_t K, const int64_t *ids,
+                      int64_t first, int64_t M, float *out, int num_threads)
+{
+    if (quant_packed_bytes(type, N, K) < 0)
+        return -1;
+    for (int64_t i = 0; i < M; i++) {
+        const int64_t id = ids ? ids[i] : first + i;
+        if (id < 0 || id >= N)
+            return -2;
+    }
+    const int64_t G = K / 32, gb = pgroup_bytes(type);
+    const int qoff = type == T_Q4_1 ? 64 : 32;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
+    for (int64_t i = 0; i < M; i++) {
+        const int64_t n = ids ? ids[i] : first + i, t = n / 16;
+        const int j = (int)(n % 16);
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *p = packed + (t * G + g) * gb;
+            const float d = f16_to_f32(rd16(p + 2 * j));
+            const float m = type == T_Q4_1 ? f16_to_f32(rd16(p + 32 + 2 * j))
+                                           : (type == T_Q4_0 ? -8.0f : -128.0f) * d;
+            for (int k = 0; k < 32; k++)
+                out[i * K + g * 32 + k] = fmaf(d, (float)packed_u(type, p + qoff, j, k), m);
+        }
+    }
+    return 0;
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+/* A packed group's scales: d and m for the 16 features. */
+T5 void pscales(int type, const uint8_t *p, __m512 *d, __m512 *m)
+{
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    if (type == T_Q4_1)
+        *m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+    else
+        *m = _mm512_mul_ps(*d, _mm512_set1_ps(type == T_Q4_0 ? -8.0f : -128.0f));
+}
+
+/* The 8 quant rows of a packed group as unsigned bytes: row r holds weights 4r..4r+3. */
+T5 void prows(int type, const uint8_t *q, __m512i u[8])
+{
+    if (type == T_Q8_0) {
+        for (int r = 0; r < 8; r++)
+            u[r] = _mm512_loadu_si512(q + 64 * r);
+        return;
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < 4; r++) {
+        const __m512i v = _mm512_loadu_si512(q + 64 * r);
+        u[r] = _mm512_and_si512(v, m4);
+        u[r + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+}
+
+/* A8: rows r0..r0+RT of one tile (16 features from n0; nvalid of them stored). */
+T5 void ptile_a8(int type, const int RT, const uint8_t *tile, int64_t G, int64_t K,
+                 const QAct *qa, int64_t r0, float *out, int64_t os, __mmask16 valid)
+{
+    const int64_t gb = pgroup_bytes(type), qoff = type == T_Q4_1 ? 64 : 32;
+    __m512 acc[4], macc[4];
+    for (int t = 0; t < RT; t++)
+        acc[t] = macc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *p = tile + g * gb;
+        __m512 d, m;
+        __m512i u[8];
+        pscales(type, p, &d, &m);
+        prows(type, p + qoff, u);
+        for (int t = 0; t < RT; t++) {
+            const int8_t *xq = qa->q + (r0 + t) * K + g * 32;
+            __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
+            for (int r = 0; r < 4; r++) {
+                int32_t xa, xb;
+                memcpy(&xa, xq + 4 * r, 4);
+                memcpy(&xb, xq + 16 + 4 * r, 4);
+                ia = _mm512_dpbusd_epi32(ia, u[r], _mm512_set1_epi32(xa));
+                ib = _mm512_dpbusd_epi32(ib, u[r + 4], _mm512_set1_epi32(xb));
+            }
+            const __m512 sc = _mm512_mul_ps(d, _mm512_set1_ps(qa->dx[(r0 + t) * G + g]));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia, ib)), sc, acc[t]);
+            macc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(qa->sx[(r0 + t) * G + g]), macc[t]);
+        }
+    }
+    for (int t = 0; t < RT; t++)
+        _mm512_mask_storeu_ps(out + (r0 + t) * os, valid, _mm512_add_ps(acc[t], macc[t]));
+}
+
+/* A32: w = d u + m expanded to float32 per weight (16 features per zmm), float32 FMA. */
+T5 void ptile_a32(int type, const int RT, const uint8_t *tile, int64_t G, const float *x,
+                  int64_t xs, int64_t r0, float *out, int64_t os, __mmask16 valid)
+{
+    const int64_t gb = pgroup_bytes(type), qoff = type == T_Q4_1 ? 64 : 32;
+    __m512 acc[4][4];
+    for (int t = 0; t < RT; t++)
+        for (int i = 0; i < 4; i++)
+            acc[t][i] = _mm512_setzero_ps();
+    const __m512i mask = _mm512_set1_epi32(type == T_Q8_0 ? 0xFF : 0x0F);
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *p = tile + g * gb;
+        __m512 d, m;
+        pscales(type, p, &d, &m);
+        const int nrows = type == T_Q8_0 ? 8 : 4;
+        for (int r = 0; r < nrows; r++) {
+            const __m512i v = _mm512_loadu_si512(p + qoff + 64 * r);
+            for (int i = 0; i < 4; i++) {
+                /* Q8: weight 4r+i; Q4: 4r+i (low nibble) and 16+4r+i (high) */
+                const __m512 wa = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(
+                    _mm512_srli_epi32(v, 8 * i), mask)), m);
+                for (int t = 0; t < RT; t++) {
+                    const float *xg = x + (r0 + t) * xs + g * 32;
+                    acc[t][i] = _mm512_fmadd_ps(wa, _mm512_set1_ps(xg[4 * r + i]), acc[t][i]);
+                }
+                if (type != T_Q8_0) {
+                    const __m512 wb = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(
+                        _mm512_srli_epi32(v, 8 * i + 4), mask)), m);
+                    for (int t = 0; t < RT; t++) {
+                        const float *xg = x + (r0 + t) * xs + g * 32;
+                        acc[t][i] = _mm512_fmadd_ps(wb, _mm512_set1_ps(xg[16 + 4 * r + i]),
+                                                    acc[t][i]);
+                    }
+                }
+            }
+        }
+    }
+    for (int t = 0; t < RT; t++)
+        _mm512_mask_storeu_ps(out + (r0 + t) * os, valid,
+                              _mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]),
+                                            _mm512_add_ps(acc[t][2], acc[t][3])));
+}
+
+#define PTILES(FN, T, ...)                                                                    \
+    for (int64_t r0 = 0; r0 < M;) {                                                           \
+        switch (M - r0 >= 4 ? 4 : M - r0) {                                                   \
+        case 4: FN(T, 4, __VA_ARGS__); r0 += 4; break;                                        \
+        case 3: FN(T, 3, __VA_ARGS__); r0 += 3; break;                                        \
+        case 2: FN(T, 2, __VA_ARGS__); r0 += 2; break;                                        \
+        default: FN(T, 1, __VA_ARGS__); r0 += 1; break;                                       \
+        }                                                                                     \
+    }
+
+T5F static void ptile_rows(int type, int numerics, const uint8_t *tile, int64_t G, int64_t K,
+                           const float *x, int64_t xs, const QAct *qa, int64_t M, float *out,
+                           int64_t os, __mmask16 valid)
+{
+#define PCASE(T)                                                                              \
+    case T:                                                                                   \
+        if (numerics == NUM_A8)                                                               \
+            PTILES(ptile_a8, T, tile, G, K, qa, r0, out, os, valid)                           \
+        else                                                                                  \
+            PTILES(ptile_a32, T, tile, G, x, xs, r0, out, os, valid)                          \
+        break;
+    switch (type) {
+        PCASE(T_Q4_0) PCASE(T_Q4_1) PCASE(T_Q8_0)
+    }
+}
+
+/* outT[k, n - 16 t0] (row stride ld) = W[n, k] for the features of tiles t0..t1: K-major
+ * float32 weights, for a GEMM x @ outT. */
+T5F static void ptiles_kmajor(int type, const uint8_t *packed, int64_t G, int64_t t0,
+                              int64_t t1, float *outT, int64_t ld)
+{
+    const int64_t gb = pgroup_bytes(type), qoff = type == T_Q4_1 ? 64 : 32;
+    const __m512i mask = _mm512_set1_epi32(type == T_Q8_0 ? 0xFF : 0x0F);
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *p = packed + (t * G + g) * gb;
+            __m512 d, m;
+            pscales(type, p, &d, &m);
+            float *o = outT + g * 32 * ld + (t - t0) * 16;
+            for (int r = 0; r < (type == T_Q8_0 ? 8 : 4); r++) {
+                const __m512i v = _mm512_loadu_si512(p + qoff + 64 * r);
+                for (int i = 0; i < 4; i++) {
+                    _mm512_storeu_ps(o + (4 * r + i) * ld, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(
+                        _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), mask)), m));
+                    if (type != T_Q8_0)
+                        _mm512_storeu_ps(o + (16 + 4 * r + i) * ld, _mm512_fmadd_ps(
+                            d, _mm512_cvtepi32_ps(_mm512_and_si512(
+                                _mm512_srli_epi32(v, 8 * i + 4), mask)), m));
+                }
+            }
+        }
+}
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+/* quantize_row with AVX-512: the same numbers (cvtps rounds to nearest even, as nearbyintf
+ * does in the default rounding mode; |x| / dx <= 127 needs no clamp beyond the saturating
+ * narrowing). */
+T5F static void quantize_row_avx512(const float *x, int64_t K, int8_t *q, float *dx, float *sx)
+{
+    for (int64_t g = 0; g < K / 32; g++) {
+        const __m512 a = _mm512_loadu_ps(x + g * 32), b = _mm512_loadu_ps(x + g * 32 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, vid));
+        const __m512i ib = _mm512_cvtps_epi32(_mm512_mul_ps(b, vid));
+        _mm_storeu_si128((__m128i *)(q + g * 32), _mm512_cvtsepi32_epi8(ia));
+        _mm_storeu_si128((__m128i *)(q + g * 32 + 16), _mm512_cvtsepi32_epi8(ib));
+        dx[g] = d;
+        sx[g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
+    }
+}
+#endif
+
+static int qact_alloc(int64_t M, int64_t K, QAct *qa)
+{
+    const int64_t G = K / 32;
+    qa->q = malloc((size_t)(M * K));
+    qa->dx = malloc(sizeof(float) * (size_t)(M * G));
+    qa->sx = malloc(sizeof(float) * (size_t)(M * G));
+    if (!qa->q || !qa->dx || !qa->sx) {
+        free(qa->q), free(qa->dx), free(qa->sx);
+        qa->q = NULL, qa->dx = qa->sx = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+static int quantize_act(const float *x, int64_t xs, int64_t M, int64_t K, QAct *qa,
+                        int num_threads)
+{
+    const int64_t G = K / 32;
+    if (qact_alloc(M, K, qa))
+        return -1;
+#if defined(__x86_64__) || defined(__i386__)
+    const int simd = isa_supported(ISA_AVX512);
+#else
+    const int simd = 0;
+#endif
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= 8)
+    for (int64_t r = 0; r < M; r++) {
+#if defined(__x86_64__) || defined(__i386__)
+        if (simd) {
+            quantize_row_avx512(x + r * xs, K, qa->q + r * K, qa->dx + r * G, qa->sx + r * G);
+            continue;
+        }
+#endif
+        quantize_row(x + r * xs, K, qa->q + r * K, qa->dx + r * G, qa->sx + r * G);
+    }
+    return 0;
+}
+
+/* As quant_matmul, W packed (quant_pack); AVX-512 VNNI only (returns -1 without it). */
+int quant_matmul_packed(int type, const uint8_t *packed, int64_t N, int64_t K, const float *x,
+                        int64_t xs, int64_t M, float *out, int64_t os, int numerics,
+                        int num_threads)
+{
+    if (quant_packed_bytes(type, N, K) < 0 || M < 1 || !isa_supported(ISA_AVX512))
+        return -1;
+#if defined(__x86_64__) || defined(__i386__)
+    const int64_t G = K / 32, tiles = (N + 15) / 16, tb = G * pgroup_bytes(type);
+    QAct qa = {NULL, NULL, NULL};
+    if (numerics == NUM_A8 && quantize_act(x, xs, M, K, &qa, num_threads))
+        return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t left = N - 16 * t;
+        const __mmask16 valid = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+        ptile_rows(type, numerics, packed + t * tb, G, K, x, xs, &qa, M, out + 16 * t, os,
+                   valid);
+    }
+    free(qa.q), free(qa.dx), free(qa.sx);
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+/* e^x, 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r (Cephes'
+ * expf coefficients, about 1 ulp), scaled by 2^n. */
+T5 __m512 exp512(__m512 x)
+{
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* a = act(gate) * up for 16 values: silu(g) = g / (1 + e^-g); gelu_tanh(g) = g (1 - 1 /
+ * (1 + e^(2y))) with y = sqrt(2 / pi) (g + 0.044715 g^3), i.e. 0.5 g (1 + tanh y). */
+T5 __m512 act_mul(int act, __m512 g, __m512 u)
+{
+    const __m512 one = _mm512_set1_ps(1.0f);
+    if (act == 0)
+        return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(
+            _mm512_setzero_ps(), g)))), u);
+    const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                   _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+    const __m512 e = exp512(_mm512_add_ps(y, y));
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(one, e)));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g),
+                                       _mm512_add_ps(one, t)), u);
+}
+
+T5F static void act_rows(int act, const float *h, int64_t I, int64_t r, int64_t i0, int64_t i1,
+                         float *a)
+{
+    for (int64_t i = i0; i < i1; i += 16) {
+        const __mmask16 k = i1 - i >= 16 ? 0xFFFF : (__mmask16)((1u << (i1 - i)) - 1);
+        const __m512 g = _mm512_maskz_loadu_ps(k, h + r * 2 * I + i);
+        const __m512 u = _mm512_maskz_loadu_ps(k, h + r * 2 * I + I + i);
+        _mm512_mask_storeu_ps(a + r * I + i, k, act_mul(act, g, u));
+    }
+}
+#endif
+
+/* A whole MLP for packed weights in one call: out[M, H] = down(act(gate) * up) with gate|up
+ * = the rows of `gu` ([2I, H]: gate features first) and `dn` [H, I]; act 0 silu, 1 gelu_tanh.
+ * One OpenMP region: the gate/up tiles, the activation, the down tiles, barriers between.
+ * x and out contiguous. AVX-512 VNNI only. */
+int quant_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int64_t I,
+                     int64_t H, const float *x, int64_t M, float *out, int numerics, int act,
+                     int num_threads)
+{
+    if (quant_packed_bytes(tgu, 2 * I, H) < 0 || quant_packed_bytes(td, H, I) < 0 || M < 1
+        || !isa_supported(ISA_AVX512) || (act != 0 && act != 1))
+        return -1;
+#if defined(__x86_64__) || defined(__i386__)
+    const int64_t GH = H / 32, GI = I / 32, tiles_gu = (2 * I + 15) / 16, tiles_dn = (H + 15) / 16;
+    const int64_t tb_gu = GH * pgroup_bytes(tgu), tb_dn = GI * pgroup_bytes(td);
+    float *h = malloc(sizeof(float) * (size_t)(M * 2 * I)), *a = malloc(sizeof(float) * (size_t)(M * I));
+    QAct qx = {NULL, NULL, NULL}, qa = {NULL, NULL, NULL};
+    int failed = !h || !a;
+    if (!failed && numerics == NUM_A8)
+        failed = quantize_act(x, H, M, H, &qx, num_threads) || qact_alloc(M, I, &qa);
+    if (failed) {
+        free(h), free(a), free(qx.q), free(qx.dx), free(qx.sx);
+        free(qa.q), free(qa.dx), free(qa.sx);
+        return -1;
+    }
+    const int64_t ichunks = (I + 63) / 64;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles_gu; t++) {
+            const int64_t left = 2 * I - 16 * t;
+            const __mmask16 valid = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+            ptile_rows(tgu, numerics, gu + t * tb_gu, GH, H, x, H, &qx, M, h + 16 * t, 2 * I,
+                       valid);
+        }
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t c = 0; c < ichunks; c++) {
+                const int64_t i0 = 64 * c, i1 = i0 + 64 < I ? i0 + 64 : I;
+                act_rows(act, h, I, r, i0, i1, a);
+            }
+        if (numerics == NUM_A8) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; r++)
+                quantize_row_avx512(a + r * I, I, qa.q + r * I, qa.dx + r * GI, qa.sx + r * GI);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles_dn; t++) {
+            const int64_t left = H - 16 * t;
+            const __mmask16 valid = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+            ptile_rows(td, numerics, dn + t * tb_dn, GI, I, a, I, &qa, M, out + 16 * t, H,
+                       valid);
+        }
+    }
+    free(h), free(a), free(qx.q), free(qx.dx), free(qx.sx);
+    free(qa.q), free(qa.dx), free(qa.sx);
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+/* outT [K, 16 (t1 - t0)] (row stride ld): the float32 weights of tiles t0..t1, K-major. */
+int quant_packed_kmajor(int type, const uint8_t *packed, int64_t N, int64_t K, int64_t t0,
+                        int64_t t1, float *outT, int64_t ld, int num_threads)
+{
+    if (quant_packed_bytes(type, N, K) < 0 || t0 < 0 || t1 > (N + 15) / 16 || t0 >= t1
+        || ld < 16 * (t1 - t0) || !isa_supported(ISA_AVX512))
+        return -1;
+#if defined(__x86_64__) || defined(__i386__)
+    const int64_t G = K / 32;
+    const int64_t per = (t1 - t0 + num_threads - 1) / num_threads;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int th = 0; th < num_threads; th++) {
+        const int64_t a = t0 + th * per, b = a + per < t1 ? a + per : t1;
+        if (a < b)
+            ptiles_kmajor(type, packed, G, a, b, outT + (a - t0) * 16, ld);
+    }
+    return 0;
+#else
+    return -1;
+#endif
+}
+
 /* ---- entry points -------------------------------------------------------------------------- */
 
 /* out[m, n] (row stride os) = sum_k x[m, k] (row stride xs) W[n, k], for n in [0, N).
@@ -649,20 +1118,10 @@ int quant_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const float *
         isa = best_isa();
     if (!isa_supported(isa))
         return -1;
-    const int64_t rb = K / be * block_bytes(type), G = K / 32;
+    const int64_t rb = K / be * block_bytes(type);
     QAct qa = {NULL, NULL, NULL};
-    if (numerics == NUM_A8) {
-        qa.q = malloc((size_t)(M * K));
-        qa.dx = malloc(sizeof(float) * (size_t)(M * G));
-        qa.sx = malloc(sizeof(float) * (size_t)(M * G));
-        if (!qa.q || !qa.dx || !qa.sx) {
-            free(qa.q), free(qa.dx), free(qa.sx);
-            return -1;
-        }
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= 8)
-        for (int64_t r = 0; r < M; r++)
-            quantize_row(x + r * xs, K, qa.q + r * K, qa.dx + r * G, qa.sx + r * G);
-    }
+    if (numerics == NUM_A8 && quantize_act(x, xs, M, K, &qa, num_threads))
+        return -1;
     /* NOTE: a32 from GEMM_ROWS rows on AVX-512: expanded tiles (gemm_avx512) */
     const int gemm = numerics == NUM_A32 && isa == ISA_AVX512 && M >= GEMM_ROWS;
     const int64_t step = gemm ? GEMM_CHUNK : NCHUNK, chunks = (N + step - 1) / step;

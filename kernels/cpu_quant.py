@@ -4,7 +4,10 @@ Weights stay in their file's blocks: a uint8 tensor [N, row_bytes] per matrix (r
 the K weights of output feature n as K / block_elems blocks). `matmul` computes x @ W^T with
 one of two numerics, `a32` (weights expanded to float32 in registers, float32 FMA) or `a8`
 (activations quantized to int8 per 32 values, integer dot products: llama.cpp's method);
-`dequantize_rows` expands chosen rows (the embedding's gather, prefill tiles). The ISA path
+`dequantize_rows` expands chosen rows (the embedding's gather, prefill tiles). Q4_0, Q4_1 and
+Q8_0 matrices can also be repacked once (`pack`) into tiles of 16 interleaved output features
+(same bytes) for the AVX-512 VNNI kernels `packed_matmul`, `packed_rows`, `packed_kmajor`;
+cpu_quant.c describes the layout. The ISA path
 is chosen at run time (AVX-512 VNNI, AVX2, scalar) unless a caller forces one. Compiled on
 first use by kernels/cc_build.py without -march=native: the SIMD paths carry their own target
 attributes, so the scalar path stays portable. The OpenMP runtime is the libgomp torch loaded.
@@ -47,6 +50,17 @@ def available() -> bool:
         lib.quant_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32, i32, i32]
         lib.quant_dequant_rows.argtypes = [i32, ptr, i64, ptr, i64, i64, i64, ptr, i32, i32]
         lib.quant_matmul.restype = lib.quant_dequant_rows.restype = i32
+        lib.quant_packed_bytes.argtypes = [i32, i64, i64]
+        lib.quant_packed_bytes.restype = i64
+        lib.quant_pack.argtypes = [i32, ptr, i64, i64, ptr]
+        lib.quant_matmul_packed.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32, i32]
+        lib.quant_packed_rows.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i32]
+        lib.quant_packed_kmajor.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, i64, i32]
+        lib.quant_mlp_packed.argtypes = [i32, ptr, i32, ptr, i64, i64, ptr, i64, ptr, i32, i32,
+                                         i32]
+        for f in (lib.quant_pack, lib.quant_matmul_packed, lib.quant_packed_rows,
+                  lib.quant_packed_kmajor, lib.quant_mlp_packed):
+            f.restype = i32
         lib.isa_supported.argtypes = [i32]
         lib.isa_supported.restype = lib.best_isa.restype = i32
         _lib = lib
@@ -127,4 +141,141 @@ def dequantize_rows(blocks: torch.Tensor, type_id: int, k: int, ids: torch.Tenso
         raise IndexError(f"row ids out of range [0, {blocks.shape[0]})")
     if rc:
         raise RuntimeError(f"quant_dequant_rows failed ({TYPE_NAMES[type_id]}, isa {isa})")
+    return out
+
+
+PACKED_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
+
+
+def packs(type_id: int, k: int) -> bool:
+    """`pack` takes this type and width, and this CPU runs the packed kernels."""
+    return type_id in PACKED_TYPES and k % 32 == 0 and isa_supported("avx512")
+
+
+def pack(blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
+    """Raw blocks [N, row_bytes] -> packed tiles, a 1-D uint8 tensor of the same size (N
+    rounded up to 16 features)."""
+    lib = _library()
+    if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
+        raise ValueError("blocks must be a contiguous uint8 tensor")
+    n = blocks.shape[0]
+    if type_id not in PACKED_TYPES or blocks.shape[1] != row_bytes(type_id, k):
+        raise ValueError(f"cannot pack {TYPE_NAMES.get(type_id, type_id)} blocks of width {k}")
+    out = torch.empty(lib.quant_packed_bytes(type_id, n, k), dtype=torch.uint8)
+    if lib.quant_pack(type_id, blocks.data_ptr(), n, k, out.data_ptr()):
+        raise RuntimeError("quant_pack failed")
+    return out
+
+
+def _check_packed(packed: torch.Tensor, type_id: int, n: int, k: int) -> None:
+    if packed.dtype != torch.uint8 or not packed.is_contiguous():
+        raise ValueError("packed must be a contiguous uint8 tensor")
+    if packed.numel() != _library().quant_packed_bytes(type_id, n, k):
+        raise ValueError(f"packed holds {packed.numel()} bytes, not a packed "
+                         f"{TYPE_NAMES.get(type_id, type_id)} [{n}, {k}]")
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, type_id: int, n: int, k: int,
+                  numerics: str = "a32", out: torch.Tensor | None = None,
+                  num_threads: int | None = None) -> torch.Tensor:
+    """x [M, k] float32 (rows contiguous) @ W^T -> [M, n], W packed by `pack`."""
+    _check_packed(packed, type_id, n, k)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"x must be float32 [M, {k}] with contiguous rows")
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    if out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 [{m}, {n}] with contiguous rows")
+    if m == 0:
+        return out
+    rc = _lib.quant_matmul_packed(type_id, packed.data_ptr(), n, k, x.data_ptr(), x.stride(0), m,
+                                  out.data_ptr(), out.stride(0), NUMERICS[numerics],
+                                  num_threads or torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"quant_matmul_packed failed ({TYPE_NAMES[type_id]})")
+    return out
+
+
+class PackedProduct:
+    """x @ W^T for one packed W, its checks done once: the per-token call of a decode step
+    (NOTE: 8-10 us of Python and ctypes per product otherwise, 121 products per token on
+    SmolLM2-135M)."""
+
+    def __init__(self, packed: torch.Tensor, type_id: int, n: int, k: int,
+                 numerics: str) -> None:
+        _check_packed(packed, type_id, n, k)
+        self.packed, self.n, self.k = packed, n, k  # NOTE: keeps the tiles alive
+        self._fn = _lib.quant_matmul_packed
+        self._head = (type_id, packed.data_ptr(), n, k)
+        self._numerics = NUMERICS[numerics]
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """x float32 [M, k] and out float32 [M, n], both contiguous (not checked)."""
+        if self._fn(*self._head, x.data_ptr(), self.k, x.shape[0], out.data_ptr(), self.n,
+                    self._numerics, torch.get_num_threads()):
+            raise RuntimeError("quant_matmul_packed failed")
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+class PackedMLP:
+    """down(act(gate) * up) in one call (one OpenMP region; C's vectorized exp for the
+    activation, about 1 ulp from torch's): gate_up packed [2 * inter, hidden] with the gate's
+    features first, down packed [hidden, inter]."""
+
+    def __init__(self, gate_up: torch.Tensor, gate_up_type: int, down: torch.Tensor,
+                 down_type: int, hidden: int, inter: int, numerics: str, act: str) -> None:
+        _check_packed(gate_up, gate_up_type, 2 * inter, hidden)
+        _check_packed(down, down_type, hidden, inter)
+        self.tensors = (gate_up, down)  # NOTE: keeps the tiles alive
+        self.hidden = hidden
+        self._fn = _lib.quant_mlp_packed
+        self._head = (gate_up_type, gate_up.data_ptr(), down_type, down.data_ptr(), inter,
+                      hidden)
+        self._tail = (NUMERICS[numerics], ACTIVATIONS[act])
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """x and out float32 [M, hidden], contiguous (not checked), M >= 1."""
+        if self._fn(*self._head, x.data_ptr(), x.shape[0], out.data_ptr(), *self._tail,
+                    torch.get_num_threads()):
+            raise RuntimeError("quant_mlp_packed failed")
+
+
+def packed_rows(packed: torch.Tensor, type_id: int, n: int, k: int,
+                ids: torch.Tensor | None = None, first: int = 0,
+                count: int | None = None) -> torch.Tensor:
+    """float32 [len(ids) or count, k]: features `ids` (or first..first+count) of a packed W."""
+    _check_packed(packed, type_id, n, k)
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous()
+        count = ids.numel()
+    elif count is None:
+        count = n - first
+    out = torch.empty(count, k, dtype=torch.float32)
+    rc = _lib.quant_packed_rows(type_id, packed.data_ptr(), n, k,
+                                None if ids is None else ids.data_ptr(), first, count,
+                                out.data_ptr(), torch.get_num_threads())
+    if rc == -2:
+        raise IndexError(f"row ids out of range [0, {n})")
+    if rc:
+        raise RuntimeError(f"quant_packed_rows failed ({TYPE_NAMES[type_id]})")
+    return out
+
+
+def packed_kmajor(packed: torch.Tensor, type_id: int, n: int, k: int, first_tile: int,
+                  end_tile: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [k, 16 * (end_tile - first_tile)]: W^T for the features of tiles
+    first_tile..end_tile (16 each; features past n are zeros), for a GEMM x @ it."""
+    _check_packed(packed, type_id, n, k)
+    cols = 16 * (end_tile - first_tile)
+    if out is None:
+        out = torch.empty(k, cols, dtype=torch.float32)
+    if out.shape != (k, cols) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 [{k}, {cols}] with contiguous rows")
+    rc = _lib.quant_packed_kmajor(type_id, packed.data_ptr(), n, k, first_tile, end_tile,
+                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"quant_packed_kmajor failed ({TYPE_NAMES[type_id]})")
     return out

@@ -185,8 +185,13 @@ class MLP(nn.Module):
         self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"
+        # the whole MLP in one call for decode-sized batches (quant_linear.QuantMLP, set when
+        # both projections are packed quantized layers)
+        self.fused: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and self.fused.fits(x):
+            return self.fused(x)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)
@@ -244,7 +249,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # NOTE: no random init (the checkpoint overwrites it): under torch.device("meta") the
+        # init's normal_ imports torch._dynamo and triton, 144 MiB of resident memory
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else linear(

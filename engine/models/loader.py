@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,13 +37,29 @@ def load_model(
         weights = _safetensors_weights(source.path)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
-    model = model.to(dtype).to_empty(device=device)
+    _materialize(model, dtype, device)
     model.load_weights(weights)
     if quantization == "int8":
         from engine.models.quant_linear import quantize_dense_model
 
         quantize_dense_model(model, numerics)
     return model.eval().requires_grad_(False), cfg
+
+
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Uninitialized storage for a meta-device model's parameters and buffers (floats in
+    `dtype`): what `model.to(dtype).to_empty(device)` does.
+    NOTE: to_empty's empty_like goes through torch._refs, which imports sympy (20 MB
+    resident in the engine); torch.empty does not."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                new = torch.empty(t.shape, device=device,
+                                  dtype=dtype if t.is_floating_point() else t.dtype)
+                table[name] = torch.nn.Parameter(new, t.requires_grad) if isinstance(
+                    t, torch.nn.Parameter) else new
 
 
 def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
@@ -146,8 +163,16 @@ def _gguf_quantized(source: ModelSource, dtype: torch.dtype, device: torch.devic
         name = gguf_to_hf_name(t.name, cfg.architecture)
         rope_heads = _rope_heads(cfg, name)
         if int(t.tensor_type) in cpu_quant.BLOCKS and t.data.ndim == 2:
-            blocks = torch.from_numpy(np.array(t.data))  # NOTE: a copy: the memmap is read-only
-            w = QuantWeight(blocks, int(t.tensor_type), blocks.shape[0], int(t.shape[0]))
+            type_id, cols = int(t.tensor_type), int(t.shape[0])
+            if cpu_quant.packs(type_id, cols) and not rope_heads:
+                # NOTE: packed straight from the file's pages (quant_linear packs them into
+                # tiles), no copy of the raw blocks on the heap first: 96 MB on SmolLM2
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # read-only, only read
+                    blocks = torch.from_numpy(t.data)
+            else:
+                blocks = torch.from_numpy(np.array(t.data))  # NOTE: a copy: read-only memmap
+            w = QuantWeight(blocks, type_id, blocks.shape[0], cols)
             if rope_heads:
                 w = w.permute_rows(_rope_row_order(w.rows, rope_heads))
             quant[name] = w
@@ -166,9 +191,24 @@ def _gguf_quantized(source: ModelSource, dtype: torch.dtype, device: torch.devic
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     used = install_quantized(model, quant, numerics, floats)
-    model = model.to(dtype).to_empty(device=device)
+    _materialize(model, dtype, device)
     model.load_weights((n, t) for n, t in floats.items() if n not in used)
+    del reader, quant, floats
+    _release_freed_heap()
     return model.eval().requires_grad_(False), cfg
+
+
+def _release_freed_heap() -> None:
+    """Give the heap freed while loading (the GGUF parse, unpacked copies) back to the OS.
+    NOTE: glibc keeps freed memory below the heap top resident: 40 MB on SmolLM2's load."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _rope_heads(cfg: ModelConfig, name: str) -> int:

@@ -52,6 +52,12 @@ def test_gguf_a32_equals_dequantized(type_name, tiny_model_dir, wide_model_dir,
     assert cpu_quant.TYPE_NAMES[max(kinds)] in (type_name, "Q8_0")  # Q8_0: the tied head
     assert isinstance(model.embed_tokens, QuantEmbedding)
     assert not any(p.dim() == 2 for p in model.parameters())  # no float32 expansion
+    if type_name in ("Q4_0", "Q4_1", "Q8_0") and cpu_quant.isa_supported("avx512"):
+        # NOTE: the path under test: 16-feature tiles, each MLP one kernel call
+        assert all(p.packed for m in model.modules() if isinstance(m, QuantLinear)
+                   for p in m.parts)
+        assert model.embed_tokens.weight_q.packed
+        assert all(layer.mlp.fused is not None for layer in model.layers)
     float_cache = float32_cache(resolve_model(str(path)))
     assert not float_cache.exists()
     del llm

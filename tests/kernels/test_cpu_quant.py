@@ -107,3 +107,91 @@ def test_bad_shapes_and_ids_are_refused() -> None:
     with pytest.raises(IndexError):
         cpu_quant.dequantize_rows(blocks, 2, 32, ids=torch.tensor([4]))
     assert cpu_quant.best_isa() in cpu_quant.ISAS
+
+
+packed_only = pytest.mark.skipif(not cpu_quant.available() or not cpu_quant.isa_supported("avx512"),
+                                 reason="the packed kernels need AVX-512 VNNI")
+
+
+@packed_only
+@pytest.mark.parametrize("type_id", cpu_quant.PACKED_TYPES, ids=lambda t: cpu_quant.TYPE_NAMES[t])
+def test_packed_matmul_matches_float64_of_gguf_dequantized(type_id: int) -> None:
+    """The 16-feature tiles of `pack`: same bounds as the raw kernels, N not a multiple of 16."""
+    rng = np.random.default_rng(100 + type_id)
+    for k in widths(type_id):
+        n = 37
+        blocks = random_blocks(type_id, n, k, rng)
+        w = dequantize(blocks, GGMLQuantizationType(type_id)).astype(np.float64)
+        packed = cpu_quant.pack(torch.from_numpy(blocks), type_id, k)
+        assert packed.numel() == 48 * k // 32 * (blocks.shape[1] // (k // 32))  # same bytes
+        x = rng.standard_normal((70, k)).astype(np.float32)
+        x[3] = 0.0
+        x[5, :32] *= 1e4
+        ref_all = x.astype(np.float64) @ w.T
+        bound_all = k * 2.0**-23 * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-30
+        slack_all = a8_slack(x.astype(np.float64), w)
+        for m in range(1, 71):
+            xm = torch.from_numpy(x[:m])
+            for numerics in ("a32", "a8"):
+                got = cpu_quant.packed_matmul(xm, packed, type_id, n, k, numerics).double().numpy()
+                bound = bound_all[:m] + (slack_all[:m] * 1.001 if numerics == "a8" else 0)
+                err = np.abs(got - ref_all[:m])
+                worst = np.unravel_index(np.argmax(err - bound), err.shape)
+                assert (err <= bound).all(), (
+                    f"{cpu_quant.TYPE_NAMES[type_id]} packed {numerics} K={k} M={m}: "
+                    f"err {err[worst]:.3e} > bound {bound[worst]:.3e} at {worst}")
+
+
+@packed_only
+@pytest.mark.parametrize("type_id", cpu_quant.PACKED_TYPES, ids=lambda t: cpu_quant.TYPE_NAMES[t])
+def test_packed_rows_and_kmajor_tiles_are_gguf_weights(type_id: int) -> None:
+    rng = np.random.default_rng(200 + type_id)
+    k, n = 96, 37
+    blocks = random_blocks(type_id, n, k, rng)
+    w = dequantize(blocks, GGMLQuantizationType(type_id)).astype(np.float32)
+    packed = cpu_quant.pack(torch.from_numpy(blocks), type_id, k)
+    ids = torch.tensor([36, 0, 17, 36])
+    # NOTE: d u + m in one FMA; gguf rounds d q and then adds m (Q4_1)
+    np.testing.assert_allclose(cpu_quant.packed_rows(packed, type_id, n, k, ids=ids).numpy(),
+                               w[ids.numpy()], rtol=2**-22, atol=1e-37)
+    np.testing.assert_allclose(cpu_quant.packed_rows(packed, type_id, n, k, first=30, count=7),
+                               w[30:], rtol=2**-22, atol=1e-37)
+    tiles = cpu_quant.packed_kmajor(packed, type_id, n, k, 1, 3).numpy()  # features 16..47
+    np.testing.assert_allclose(tiles[:, :21], w[16:].T, rtol=2**-22, atol=1e-37)
+    assert (tiles[:, 21:] == 0).all()  # past N: zeros
+    with pytest.raises(IndexError):
+        cpu_quant.packed_rows(packed, type_id, n, k, ids=torch.tensor([37]))
+
+
+@packed_only
+@pytest.mark.parametrize("type_id", cpu_quant.PACKED_TYPES, ids=lambda t: cpu_quant.TYPE_NAMES[t])
+def test_packed_mlp_matches_float64(type_id: int) -> None:
+    """down(act(gate) * up) in one call against float64 products of the gguf weights and
+    torch's float64 activations. a32: float32 rounding (relative 2e-6 of the output's max);
+    a8: int8 activations twice (relative 5e-2, measured about 1e-2)."""
+    rng = np.random.default_rng(300 + type_id)
+    hidden, inter = 96, 160  # NOTE: 2 * inter = 320 features, hidden 96: partial tiles
+    gu, dn = random_blocks(type_id, 2 * inter, hidden, rng), random_blocks(type_id, hidden,
+                                                                           inter, rng)
+    for b, k in ((gu, hidden), (dn, inter)):  # NOTE: moderate scales: SiLU's whole range
+        v = b.reshape(b.shape[0], k // 32, -1)
+        v[..., 0:2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+        if type_id == 3:
+            v[..., 2:4] = np.array([-0.05], dtype=np.float16).view(np.uint8)
+    wg = dequantize(gu, GGMLQuantizationType(type_id)).astype(np.float64)
+    wd = dequantize(dn, GGMLQuantizationType(type_id)).astype(np.float64)
+    pg = cpu_quant.pack(torch.from_numpy(gu), type_id, hidden)
+    pd = cpu_quant.pack(torch.from_numpy(dn), type_id, inter)
+    acts = {"silu": torch.nn.functional.silu,
+            "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}
+    for act, fn in acts.items():
+        for numerics, tol in (("a32", 2e-6), ("a8", 5e-2)):
+            mlp = cpu_quant.PackedMLP(pg, type_id, pd, type_id, hidden, inter, numerics, act)
+            for m in (1, 3, 17, 64):
+                x = rng.standard_normal((m, hidden)).astype(np.float32)
+                out = torch.empty(m, hidden)
+                mlp(torch.from_numpy(x), out)
+                h = torch.from_numpy(x.astype(np.float64) @ wg.T)
+                ref = ((fn(h[:, :inter]) * h[:, inter:]).numpy() @ wd.T)
+                err = np.abs(out.numpy() - ref).max() / np.abs(ref).max()
+                assert err <= tol, f"{act} {numerics} M={m}: relative error {err:.2e}"
