@@ -55,8 +55,9 @@ class Sampler:
         raw = logits
         logits = self._apply_logit_bias(logits, requests)
         logits = self._apply_penalties(logits, requests)
+        shaped = logits
         logits = self._apply_min_tokens(logits, requests)
-        logits = self._apply_grammar(logits, requests)
+        logits = self._apply_grammar(logits, requests, shaped)
         token_ids = self._sample(logits, requests)
         logprobs = self._logprobs(raw, token_ids, requests)
         return SamplerOutput(token_ids.tolist(), logprobs)
@@ -107,25 +108,26 @@ class Sampler:
                 logits[i, banned] = float("-inf")
         return logits
 
-    def _apply_grammar(self, logits: torch.Tensor, requests: Rows) -> torch.Tensor:
+    def _apply_grammar(self, logits: torch.Tensor, requests: Rows,
+                       before_min_tokens: torch.Tensor) -> torch.Tensor:
         """Tokens the request's grammar does not allow next go to -inf, before any sampling
-        rule (greedy too)."""
+        rule (greedy too). `before_min_tokens` is `logits` without min_tokens' bans: the
+        grammar's fallback when those bans leave a row nothing."""
         rows = [i for i, r in enumerate(requests) if r.grammar_mask is not None]
         if not rows:
             return logits
         masks = np.concatenate([requests[i].grammar_mask[:1] for i in rows])  # type: ignore[index]
         allowed = allowed_tokens(masks, logits.shape[1]).to(logits.device)
         idx = torch.tensor(rows, device=logits.device)
-        grammar_only = logits[idx].masked_fill(~allowed, float("-inf"))
         masked = logits.clone()
-        masked[idx] = grammar_only
+        masked[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
         for j, row in enumerate(rows):
             r = requests[row]
             if r.num_output_tokens < r.sampling.min_tokens and bool(
                     torch.isneginf(masked[row]).all()):
                 # NOTE: min_tokens banned the only tokens the grammar allows (its end): the
                 # grammar wins, or the row would have nothing to sample.
-                masked[row] = grammar_only[j]
+                masked[row] = before_min_tokens[row].masked_fill(~allowed[j], float("-inf"))
         return masked
 
     # ---- sampling ------------------------------------------------------------------------

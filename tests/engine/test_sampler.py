@@ -3,6 +3,7 @@ as defined, min_tokens, and logprobs."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.runner_rows import Row
@@ -92,6 +93,21 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(1,))
     assert sampler(logits, [req(params, output=[2])]).token_ids == [2]
     assert sampler(logits, [req(params, output=[2, 2])]).token_ids == [0]
+
+
+def test_a_grammar_that_allows_only_eos_wins_over_min_tokens():
+    # NOTE: the grammar allows token 0 (EOS) only; min_tokens bans it; the row must still
+    # sample a token the grammar allows, not the argmax of an all -inf row (token 0 by
+    # accident in one case, any token in another)
+    sampler = Sampler([2], seed=0, device=torch.device("cpu"))
+    logits = torch.tensor([[9.0, 1.0, 5.0, 7.0]])
+    params = SamplingParams(temperature=0, min_tokens=5)
+    row = req(params)
+    row.grammar_mask = np.array([[1 << 2]], dtype=np.int32)  # only token 2 (EOS) allowed
+    assert sampler(logits, [row]).token_ids == [2]
+    # with the grammar allowing EOS and token 3, min_tokens bans EOS and 3 is sampled
+    row.grammar_mask = np.array([[(1 << 2) | (1 << 3)]], dtype=np.int32)
+    assert sampler(logits, [row]).token_ids == [3]
 
 
 def test_logprobs_of_sampled_and_top_tokens():
