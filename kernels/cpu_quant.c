@@ -921,14 +921,16 @@ static int qact_alloc(int64_t M, int64_t K, QAct *qa)
     return 0;
 }
 
-static int quantize_act(const float *x, int64_t xs, int64_t M, int64_t K, QAct *qa,
+/* The activations' int8 blocks, by the AVX-512 quantizer only when the caller's isa is
+ * AVX-512 (a forced scalar or AVX2 product uses the scalar rounding it is tested against). */
+static int quantize_act(const float *x, int64_t xs, int64_t M, int64_t K, QAct *qa, int isa,
                         int num_threads)
 {
     const int64_t G = K / 32;
     if (qact_alloc(M, K, qa))
         return -1;
 #if defined(__x86_64__) || defined(__i386__)
-    const int simd = isa_supported(ISA_AVX512);
+    const int simd = isa == ISA_AVX512 && isa_supported(ISA_AVX512);
 #else
     const int simd = 0;
 #endif
@@ -950,12 +952,13 @@ int quant_matmul_packed(int type, const uint8_t *packed, int64_t N, int64_t K, c
                         int64_t xs, int64_t M, float *out, int64_t os, int numerics,
                         int num_threads)
 {
-    if (quant_packed_bytes(type, N, K) < 0 || M < 1 || !isa_supported(ISA_AVX512))
+    if (quant_packed_bytes(type, N, K) < 0 || M < 1 || num_threads < 1
+        || !isa_supported(ISA_AVX512))
         return -1;
 #if defined(__x86_64__) || defined(__i386__)
     const int64_t G = K / 32, tiles = (N + 15) / 16, tb = G * pgroup_bytes(type);
     QAct qa = {NULL, NULL, NULL};
-    if (numerics == NUM_A8 && quantize_act(x, xs, M, K, &qa, num_threads))
+    if (numerics == NUM_A8 && quantize_act(x, xs, M, K, &qa, ISA_AVX512, num_threads))
         return -1;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < tiles; t++) {
@@ -1029,6 +1032,7 @@ int quant_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int6
                      int num_threads)
 {
     if (quant_packed_bytes(tgu, 2 * I, H) < 0 || quant_packed_bytes(td, H, I) < 0 || M < 1
+        || num_threads < 1
         || !isa_supported(ISA_AVX512) || (act != 0 && act != 1))
         return -1;
 #if defined(__x86_64__) || defined(__i386__)
@@ -1038,7 +1042,7 @@ int quant_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int6
     QAct qx = {NULL, NULL, NULL}, qa = {NULL, NULL, NULL};
     int failed = !h || !a;
     if (!failed && numerics == NUM_A8)
-        failed = quantize_act(x, H, M, H, &qx, num_threads) || qact_alloc(M, I, &qa);
+        failed = quantize_act(x, H, M, H, &qx, ISA_AVX512, num_threads) || qact_alloc(M, I, &qa);
     if (failed) {
         free(h), free(a), free(qx.q), free(qx.dx), free(qx.sx);
         free(qa.q), free(qa.dx), free(qa.sx);
@@ -1086,7 +1090,7 @@ int quant_packed_kmajor(int type, const uint8_t *packed, int64_t N, int64_t K, i
                         int64_t t1, float *outT, int64_t ld, int num_threads)
 {
     if (quant_packed_bytes(type, N, K) < 0 || t0 < 0 || t1 > (N + 15) / 16 || t0 >= t1
-        || ld < 16 * (t1 - t0) || !isa_supported(ISA_AVX512))
+        || ld < 16 * (t1 - t0) || num_threads < 1 || !isa_supported(ISA_AVX512))
         return -1;
 #if defined(__x86_64__) || defined(__i386__)
     const int64_t G = K / 32;
@@ -1112,7 +1116,7 @@ int quant_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const float *
                  int64_t M, float *out, int64_t os, int numerics, int isa, int num_threads)
 {
     const int be = block_elems(type);
-    if (be == 0 || K % be != 0 || M < 1 || N < 1)
+    if (be == 0 || K % be != 0 || M < 1 || N < 1 || num_threads < 1)
         return -1;
     if (isa == ISA_AUTO)
         isa = best_isa();
@@ -1120,7 +1124,7 @@ int quant_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const float *
         return -1;
     const int64_t rb = K / be * block_bytes(type);
     QAct qa = {NULL, NULL, NULL};
-    if (numerics == NUM_A8 && quantize_act(x, xs, M, K, &qa, num_threads))
+    if (numerics == NUM_A8 && quantize_act(x, xs, M, K, &qa, isa, num_threads))
         return -1;
     /* NOTE: a32 from GEMM_ROWS rows on AVX-512: expanded tiles (gemm_avx512) */
     const int gemm = numerics == NUM_A32 && isa == ISA_AVX512 && M >= GEMM_ROWS;

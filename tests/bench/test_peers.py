@@ -26,7 +26,8 @@ def _point(conc: int, tok_s: float) -> dict:
 def test_ratio_table_divides_by_the_peers_of_the_same_run() -> None:
     results = [
         {"server": "quantized", "points": [_point(1, 60.0), _point(8, 300.0)],
-         "time_to_ready_s": 2.0, "rss_ready_bytes": 2**30, "rss_peak_bytes": 2**31},
+         "time_to_ready_s": 2.0, "rss_ready_bytes": 2**30, "rss_peak_bytes": 2**31,
+         "engine_rss_ready_bytes": 2**29},
         {"server": "float32", "points": [_point(1, 30.0), _point(8, 100.0)],
          "time_to_ready_s": 3.0, "rss_ready_bytes": 2**30, "rss_peak_bytes": 2**30},
         {"server": "llama.cpp", "points": [_point(1, 40.0), _point(8, 50.0)],
@@ -35,5 +36,6 @@ def test_ratio_table_divides_by_the_peers_of_the_same_run() -> None:
     text = "\n".join(peers.ratio_table(results))
     assert "| quantized | 1 | 60.0 | 10.0 | 1.50x tok/s | 2.00x tok/s |" in text
     assert "| quantized | 8 | 300.0 | 10.0 | 6.00x tok/s | 3.00x tok/s |" in text
-    assert "| quantized | 2.0 | 1024 | 2048 |" in text
+    assert "| quantized | 2.0 | 1024 | 512 | 2048 |" in text  # engine RSS: its own column
+    assert "| float32 | 3.0 | 1024 | - | 1024 |" in text  # a result without it says "-"
     assert "| llama.cpp | 1.0 | - | - |" in text
