@@ -196,8 +196,6 @@ class EngineCore:
         """The separate draft model of --speculative-method draft (it shares the tokenizer)."""
         if config.speculative_method != "draft":
             return None
-        if config.tensor_parallel_size > 1:
-            raise ValueError("speculative_method draft does not run with tensor parallelism")
         source = resolve_model(config.speculative_model)
         mode = resolve_quantization(config.quantization, source, self.dtype, self.device)
         draft, cfg = load_model(source, self.dtype, self.device, mode,

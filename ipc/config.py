@@ -184,6 +184,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {_QUANTIZATIONS}")
         if self.quantization_numerics not in _QUANT_NUMERICS:
             raise ValueError(f"quantization_numerics must be one of {_QUANT_NUMERICS}")
+        if self.tensor_parallel_size > 1 and self.speculative_method == "draft":
+            raise ValueError("speculative_method draft does not run with tensor parallelism "
+                             "(the draft model would have no shards): use ngram or self")
         if self.tensor_parallel_size > 1 and self.quantization in ("gguf", "int8"):
             raise ValueError(f"quantization {self.quantization} does not run with tensor "
                              "parallelism (its ranks hold dequantized weights): use none or auto")
@@ -219,11 +222,6 @@ class EngineConfig:
         if self.node_rank == 0:
             raise ValueError("node_rank: a headless node is one of nodes 1..nnodes-1; node 0 "
                              "runs the engine (`pagedserve serve` or `pagedserve engine`)")
-
-    @property
-    def ranks_per_node(self) -> int:
-        """Tensor-parallel ranks on each node (node n holds ranks n * this ... + this - 1)."""
-        return self.tensor_parallel_size // self.nnodes
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -116,7 +116,9 @@ def test_serve_refuses_node_flags_that_cannot_work(flags: list[str], message: st
 def test_flags_reach_a_spawned_engine() -> None:
     config = EngineConfig(tensor_parallel_size=4, nnodes=2, master_addr="10.0.0.1",
                           master_port=29500)
-    assert config.ranks_per_node == 2
+    from engine.parallel.group import Topology
+
+    assert Topology.from_config(config.replace(node_rank=1)).local_ranks == range(2, 4)
     assert config.to_cli_args() == ["--tensor-parallel-size", "4", "--nnodes", "2",
                                     "--master-addr", "10.0.0.1", "--master-port", "29500"]
 

@@ -14,6 +14,7 @@ import pytest
 
 from engine.models.config import ModelConfig
 from engine.parallel.layers import shard_plan
+from ipc.config import EngineConfig
 from ipc.sampling import SamplingParams
 
 pytest.importorskip("engine.core")
@@ -90,7 +91,6 @@ def test_shard_plans() -> None:
 
 async def test_a_dead_worker_fails_the_engine_cleanly(tiny_model_dir: Path) -> None:
     from gateway.engine_client import EngineClient
-    from ipc.config import EngineConfig
     from ipc.messages import AddRequest
 
     config = EngineConfig(model=str(tiny_model_dir), device="cpu", num_gpu_blocks=64,
@@ -152,3 +152,11 @@ def test_two_phase_steps_choices_grammars_and_prompt_logprobs_match_tp1(
     assert tokens2 == tokens1
     assert prompt1[0] is None and prompt2[0] is None
     _assert_same([([], prompt1[1:])], [([], prompt2[1:])])
+
+
+def test_a_draft_model_under_tensor_parallelism_is_refused_by_the_config() -> None:
+    # NOTE: at config time, before any rank is started (it used to come after every rank had
+    # joined and loaded its shard, and headless nodes then died with ENGINE_DIED)
+    with pytest.raises(ValueError, match="speculative_method draft does not run with tensor"):
+        EngineConfig(tensor_parallel_size=2, speculative_method="draft",
+                     speculative_model="/some/draft")
