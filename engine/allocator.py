@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import sys
 
@@ -23,19 +24,39 @@ TOP_PAD = 64 << 20  # each heap extension asks the kernel for this much more
 ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # NOTE: musl and other libcs have no mallopt / malloc_trim (AttributeError)
+        libc.mallopt.restype, libc.malloc_trim.restype = ctypes.c_int, ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    return libc
+
+
+def release_freed_heap() -> None:
+    """Give heap that is free (a checkpoint's parse, unpacked copies) back to the kernel.
+    NOTE: glibc keeps freed memory below the heap top resident: 40 MB on SmolLM2's GGUF load."""
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def tune_malloc() -> bool:
     """Return what loading freed to the kernel, then apply the settings above (call it once
     the weights are loaded and packed); False (and nothing set) off glibc or when the env
     sets any."""
-    if not sys.platform.startswith("linux") or any(k in os.environ for k in ENV):
+    if any(k in os.environ for k in ENV):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
-    except (OSError, AttributeError):  # musl and other libcs have no mallopt
+    libc = _libc()
+    if libc is None:
         return False
-    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-    malloc_trim(0)
+    release_freed_heap()
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in (
         (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD),

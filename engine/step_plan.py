@@ -116,7 +116,10 @@ class StepPlan(msgspec.Struct, gc=False):
     grammar_masks: dict[str, GrammarMask] = {}  # by sampling key, for choices with a grammar
     prompt_logprobs: dict[str, PromptLogprobsSpan] = {}
     block_copies: list[BlockCopy] = []  # run before the forward, in order
-    preempted_keys: list[str] = []  # preempted this step (swapped out or to be recomputed)
+    # preempted this step (swapped out or to be recomputed); for the record (bench, logs): the
+    # runner keeps their rows; a resumed choice comes back as diffs (its new block table, and
+    # num_computed_tokens from 0 after a recompute)
+    preempted_keys: list[str] = []
     finished_keys: list[str] = []  # finished since the last plan: the runner drops them
 
     @property

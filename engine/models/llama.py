@@ -250,7 +250,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         # NOTE: no random init (the checkpoint overwrites it): under torch.device("meta") the
-        # init's normal_ imports torch._dynamo and triton, 144 MiB of resident memory
+        # init's normal_ imports torch._dynamo and triton, 144 MiB of resident memory. Built
+        # off the meta device and not loaded, the table is uninitialised memory.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))

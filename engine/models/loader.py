@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from engine.allocator import release_freed_heap
 from engine.models.config import ModelConfig, from_hf_config, longrope_context
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaForCausalLM
@@ -194,21 +195,8 @@ def _gguf_quantized(source: ModelSource, dtype: torch.dtype, device: torch.devic
     _materialize(model, dtype, device)
     model.load_weights((n, t) for n, t in floats.items() if n not in used)
     del reader, quant, floats
-    _release_freed_heap()
+    release_freed_heap()
     return model.eval().requires_grad_(False), cfg
-
-
-def _release_freed_heap() -> None:
-    """Give the heap freed while loading (the GGUF parse, unpacked copies) back to the OS.
-    NOTE: glibc keeps freed memory below the heap top resident: 40 MB on SmolLM2's load."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def _rope_heads(cfg: ModelConfig, name: str) -> int:

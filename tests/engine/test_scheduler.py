@@ -57,8 +57,9 @@ class FakeRunner:
     def check_mirror(self, s: Scheduler, plan: StepPlan) -> None:
         self.states.apply(plan)
         assert set(plan.finished_keys).isdisjoint(self.states.rows)
-        for row in plan.sampling:
-            key = row.key
+        # NOTE: every row the plan computes or samples (a prefill chunk that samples nothing
+        # has diffs too)
+        for key in dict.fromkeys([*plan.num_scheduled_tokens, *(r.key for r in plan.sampling)]):
             state, req = self.states.rows[key], s._by_key[key]
             assert state.token_ids == req.all_token_ids
             table = [max(b, 0) for b in s.kv.block_ids(key)]
