@@ -6,6 +6,7 @@ HTTP handlers and WebSocket sessions both turn requests into `Generation`s throu
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -206,12 +207,16 @@ class Gateway:
         self._syntax[tok.directory] = syntax
         return syntax
 
-    def _tool_parser(self, request: AnyRequest, syntax: CallSyntax) -> type | None:
+    def _tool_parser(self, request: AnyRequest,
+                     syntax: CallSyntax) -> Callable[[], Any] | None:
+        """A maker of the request's tool-call parser: it counts a call only when it names
+        one of the request's tools (any other JSON is content)."""
         if not isinstance(request, ChatCompletionRequest) or not request.tools:
             return None
         if tool_choice_of(request) == "none":
             return None
-        return parser_for(syntax.parser)
+        names = frozenset(t.function.name for t in request.tools)
+        return functools.partial(parser_for(syntax.parser), tools=names)
 
     def start(self, job: Job) -> Generation:
         """Admit a Job: overload and engine-down become 503 with Retry-After."""

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import string
 import uuid
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"
-_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_WS = " \t\r\n"
 
 
 @dataclass
@@ -34,39 +34,120 @@ class CallEvent:
 
 
 @dataclass
+class _Scan:
+    """The top level of a JSON object's text so far."""
+
+    bad: bool = False  # the text is no JSON object
+    end: int | None = None  # just after its closing brace, once it arrived
+    # key -> (where its value begins, where the value's text so far ends, whether it ended);
+    # a value is listed once its first character arrived
+    values: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
+
+
+def scan_object(text: str) -> _Scan:
+    """Read the keys at depth 1 of the JSON object `text` begins with (after whitespace)."""
+    scan, n = _Scan(), len(text)
+
+    def skip(i: int) -> int:
+        while i < n and text[i] in _WS:
+            i += 1
+        return i
+
+    i = skip(0)
+    if i == n:
+        return scan
+    if text[i] != "{":
+        return _Scan(bad=True)
+    i = skip(i + 1)
+    if i < n and text[i] == "}":
+        scan.end = i + 1
+        return scan
+    while True:
+        i = skip(i)
+        if i == n:
+            return scan
+        if text[i] != '"':
+            return _Scan(bad=True)
+        length, closed = json_value_prefix(text[i:])
+        if not closed:
+            return scan
+        try:
+            key = json.loads(text[i : i + length])
+        except ValueError:
+            return _Scan(bad=True)
+        i = skip(i + length)
+        if i == n:
+            return scan
+        if text[i] != ":":
+            return _Scan(bad=True)
+        i = skip(i + 1)
+        if i == n:
+            return scan  # NOTE: the value has not begun: whitespace may still follow
+        length, closed = json_value_prefix(text[i:])
+        if length == 0:
+            return _Scan(bad=True)
+        scan.values[key] = (i, i + length, closed)
+        if not closed:
+            return scan
+        i = skip(i + length)
+        if i == n:
+            return scan
+        if text[i] == "}":
+            scan.end = i + 1
+            return scan
+        if text[i] != ",":
+            return _Scan(bad=True)
+        i += 1
+
+
+@dataclass
 class _JsonCall:
-    """One call's JSON object `{"name": ..., <args key>: {...}}`, fed as it streams."""
+    """One object `{"name": ..., <args key>: {...}}` fed as it streams: a call once its
+    top-level `name` is one of the request's tools, else (no name, another name, no JSON
+    object) not a call, and its text is content."""
 
     index: int
     id: str
-    args_keys: str  # regex alternatives of the arguments' key
+    args_keys: tuple[str, ...]
+    tools: frozenset[str] | None  # the request's function names (None: any name)
     text: str = ""
-    started: bool = False  # its id and name were sent
-    args_start: int | None = None  # where the arguments' value begins in text
+    verdict: str | None = None  # None: not yet known | "call" | "not"
     args_sent: int = 0  # how much of the arguments was sent
-    args_closed: bool = False
+    args_done: bool = False
 
-    def add(self, more: str) -> list[CallEvent]:
+    def add(self, more: str, closed: bool) -> list[CallEvent]:
+        """Feed more of the object's text; `closed`: no more of it will come."""
         self.text += more
+        scan = scan_object(self.text)
         events: list[CallEvent] = []
-        if not self.started:
-            m = _NAME.search(self.text)
-            if m is None:
+        if self.verdict is None:
+            name = scan.values.get("name")
+            if scan.bad or (name is not None and name[2] and self.text[name[0]] != '"'):
+                self.verdict = "not"
                 return events
-            self.started = True
-            events.append(CallEvent(self.index, id=self.id, name=json.loads(f'"{m.group(1)}"')))
-        if self.args_start is None:
-            m = re.search(rf'"(?:{self.args_keys})"\s*:\s*', self.text)
-            if m is None:
+            if name is None or not name[2]:
+                if closed or scan.end is not None:
+                    self.verdict = "not"
                 return events
-            self.args_start = m.end()
-        if not self.args_closed:
-            value = self.text[self.args_start:]
-            length, self.args_closed = json_value_prefix(value)
-            fragment = value[self.args_sent:length]
-            self.args_sent = length
+            called = json.loads(self.text[name[0] : name[1]])
+            if self.tools is not None and called not in self.tools:
+                self.verdict = "not"
+                return events
+            self.verdict = "call"
+            events.append(CallEvent(self.index, id=self.id, name=called))
+        if self.args_done:
+            return events
+        key = next((k for k in scan.values if k in self.args_keys), None)
+        if key is not None:
+            start, stop, _ = scan.values[key]
+            fragment = self.text[start + self.args_sent : stop]
+            self.args_sent = stop - start
             if fragment:
                 events.append(CallEvent(self.index, arguments=fragment))
+        if closed or scan.end is not None:
+            self.args_done = True
+            if key is None:  # NOTE: a call without arguments takes none: "{}", valid JSON
+                events.append(CallEvent(self.index, arguments="{}"))
         return events
 
 
@@ -74,33 +155,46 @@ class _JsonCall:
 class _Parser:
     """What the three parsers share: the calls so far and the events that record them."""
 
+    tools: frozenset[str] | None = None  # the request's function names (None: any name)
     calls: list[tuple[str, str, str]] = field(default_factory=list)  # (id, name, arguments)
     _buf: str = ""
     _call: _JsonCall | None = None
+    _held: str = ""  # text read before the open object: content if it is not a call
     _after_call: bool = False  # whitespace right after a call is not content
 
-    ARGS_KEYS = "arguments"
+    ARGS_KEYS: ClassVar[tuple[str, ...]] = ("arguments",)
 
     @property
     def named_calls(self) -> list[tuple[str, str, str]]:
-        """The calls whose name was read (text that only looked like a call has none)."""
-        return [c for c in self.calls if c[1]]
+        """The calls read (text that only looked like a call is content)."""
+        return self.calls
 
     def _new_call(self) -> _JsonCall:
-        self._call = _JsonCall(len(self.calls), self._call_id(), self.ARGS_KEYS)
-        self.calls.append((self._call.id, "", ""))
+        self._call = _JsonCall(len(self.calls), self._call_id(), self.ARGS_KEYS, self.tools)
         return self._call
 
     def _call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
 
-    def _feed_call(self, text: str, events: list[CallEvent]) -> None:
+    def _feed_call(self, text: str, closed: bool, events: list[CallEvent]) -> bool:
+        """Feed the open object; False when it turned out not to be a call (its text and
+        what was held before it are then content, and no object is open)."""
         call = self._call
         assert call is not None
-        for e in call.add(text):
-            call_id, name, args = self.calls[call.index]
-            self.calls[call.index] = (call_id, e.name or name, args + e.arguments)
+        new = call.add(text, closed)
+        if call.verdict == "not":
+            events.append(CallEvent(content=self._held + call.text))
+            self._held, self._call, self._after_call = "", None, False
+            return False
+        for e in new:
+            if e.name is not None:
+                self.calls.append((call.id, e.name, ""))
+                self._held = ""
+            else:
+                call_id, name, args = self.calls[call.index]
+                self.calls[call.index] = (call_id, name, args + e.arguments)
             events.append(e)
+        return True
 
     def _content(self, text: str, events: list[CallEvent]) -> None:
         if self._after_call:
@@ -126,7 +220,7 @@ class HermesParser(_Parser):
                     self._buf = self._buf[cut:]
                     return events
                 self._content(self._buf[:start], events)
-                self._after_call = True
+                self._held = TOOL_CALL_START
                 self._buf = self._buf[start + len(TOOL_CALL_START):]
                 self._new_call()
                 continue
@@ -134,11 +228,12 @@ class HermesParser(_Parser):
             keep = 0 if end >= 0 or final else partial_suffix(self._buf, TOOL_CALL_END)
             body = self._buf[:end] if end >= 0 else self._buf[: len(self._buf) - keep]
             self._buf = self._buf[len(body):]
-            self._feed_call(body, events)
+            if not self._feed_call(body, end >= 0 or final, events):
+                continue  # NOTE: not a call: the rest (its closing tag too) is content
             if end < 0:
                 return events
             self._buf = self._buf[len(TOOL_CALL_END):]
-            self._call = None
+            self._call, self._after_call = None, True
 
 
 class _ObjectsParser(_Parser):
@@ -147,17 +242,19 @@ class _ObjectsParser(_Parser):
     SEPARATOR = ";"
 
     def _objects(self, events: list[CallEvent], final: bool) -> bool | None:
-        """Parse objects from the buffer: True when the run ended (the buffer holds what
-        follows it), None when more text is needed."""
+        """Parse objects from the buffer: True when the run of calls ended, False when an
+        object turned out not to be a call (it is content, the run ended); the buffer holds
+        what follows. None when more text is needed."""
         while True:
             if self._call is not None:
                 length, closed = json_value_prefix(self._call.text + self._buf)
                 take = length - len(self._call.text)
-                self._feed_call(self._buf[:take], events)
-                self._buf = self._buf[take:]
+                piece, self._buf = self._buf[:take], self._buf[take:]
+                if not self._feed_call(piece, closed or final, events):
+                    return False
                 if not closed:
                     return True if final else None
-                self._call = None
+                self._call, self._after_call = None, True
             rest = self._buf.lstrip()
             if not rest and not final:
                 return None
@@ -166,6 +263,7 @@ class _ObjectsParser(_Parser):
                 if not after and not final:
                     return None
                 if after.startswith("{"):
+                    self._held = self._buf[: len(self._buf) - len(after)]
                     self._buf = after
                     self._new_call()
                     continue
@@ -174,9 +272,10 @@ class _ObjectsParser(_Parser):
 
 class Llama3JsonParser(_ObjectsParser):
     """A reply that begins (after `<|python_tag|>` and spaces) with `{` is calls
-    `{"name", "parameters"}` joined by `; `; any other reply is content."""
+    `{"name", "parameters"}` joined by `; `; any other reply, or an object that is no call of
+    the request's tools, is content."""
 
-    ARGS_KEYS = "parameters|arguments"
+    ARGS_KEYS = ("parameters", "arguments")
     _mode: str = "start"  # start | calls | content
 
     def feed(self, text: str, final: bool = False) -> list[CallEvent]:
@@ -189,12 +288,13 @@ class Llama3JsonParser(_ObjectsParser):
             if not final and (not head or PYTHON_TAG.startswith(head)):
                 return events  # NOTE: not yet known whether this reply is a call
             if head.startswith("{"):
+                self._held = self._buf[: len(self._buf) - len(head)]
                 self._mode, self._buf = "calls", head
                 self._new_call()
             else:
                 self._mode = "content"
-        if self._mode == "calls" and self._objects(events, final):
-            self._mode, self._after_call = "content", True
+        if self._mode == "calls" and self._objects(events, final) is not None:
+            self._mode = "content"
         if self._mode == "content":
             self._content(self._buf, events)
             self._buf = ""
@@ -224,6 +324,7 @@ class MistralParser(_ObjectsParser):
                     self._buf = self._buf[cut:]
                     return events
                 self._content(self._buf[:start], events)
+                self._held = MISTRAL_TOOL_CALLS
                 self._buf = self._buf[start + len(MISTRAL_TOOL_CALLS):]
                 self._mode = "array"
             if self._mode == "array":
@@ -232,20 +333,26 @@ class MistralParser(_ObjectsParser):
                     return events
                 if not head.startswith("["):  # NOTE: not a call array: shown as content
                     self._mode = "content"
-                    self._content(MISTRAL_TOOL_CALLS, events)
+                    events.append(CallEvent(content=self._held))
+                    self._held = ""
                     continue
                 head = head[1:].lstrip()
                 if not head and not final:
                     return events
+                self._held += self._buf[: len(self._buf) - len(head)]
                 self._buf, self._mode = head, "calls"
                 if head.startswith("{"):
                     self._new_call()
             done = self._objects(events, final)
             if done is None:
                 return events
-            rest = self._buf.lstrip()
-            self._buf = rest[1:] if rest.startswith("]") else rest
-            self._mode, self._after_call = "content", True
+            if done and self._held:  # NOTE: no object followed the opening: all content
+                events.append(CallEvent(content=self._held))
+                self._held, done = "", False
+            if done:
+                rest = self._buf.lstrip()
+                self._buf = rest[1:] if rest.startswith("]") else rest
+            self._mode, self._held = "content", ""
             if not self._buf:
                 return events
 
@@ -259,8 +366,9 @@ def partial_suffix(text: str, tag: str) -> int:
 
 
 def json_value_prefix(text: str) -> tuple[int, bool]:
-    """(how much of text belongs to the JSON value it begins with, whether the value ended)."""
-    depth, in_string, escaped = 0, False, False
+    """(how much of text belongs to the JSON value it begins with, after any whitespace;
+    whether the value ended). A scalar ends at the first character that cannot continue it."""
+    depth, in_string, escaped, begun = 0, False, False, False
     for i, ch in enumerate(text):
         if in_string:
             if escaped:
@@ -271,16 +379,22 @@ def json_value_prefix(text: str) -> tuple[int, bool]:
                 in_string = False
                 if depth == 0:
                     return i + 1, True
+        elif not begun and ch in _WS:
+            continue  # NOTE: whitespace before the value is not the end of a scalar
         elif ch == '"':
-            in_string = True
+            in_string, begun = True, True
         elif ch in "{[":
-            depth += 1
+            depth, begun = depth + 1, True
         elif ch in "}]":
+            if depth == 0:
+                return i, True  # a scalar (or nothing) ended at its container's close
             depth -= 1
-            if depth <= 0:
+            if depth == 0:
                 return i + 1, True
-        elif depth == 0 and ch in ",;\n" and i > 0:
+        elif depth == 0 and (ch in _WS or ch in ",;:"):
             return i, True  # a scalar ended
+        else:
+            begun = True
     return len(text), False
 
 

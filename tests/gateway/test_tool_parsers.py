@@ -18,7 +18,14 @@ from mistral_common.tokens.tokenizers.base import TokenizerVersion
 from gateway.protocol import ChatCompletionRequest, decode_request
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calls import calls_text, detect_parser, template_messages
-from gateway.tool_parsers import Llama3JsonParser, MistralParser
+from gateway.tool_parsers import (
+    MISTRAL_TOOL_CALLS,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+)
 
 ARGS = [{"city": "S\u00e3o Paulo \u65e5\u672c", "note": 'a "quoted" {brace} ; [x]'},
         {"n": [1, 2, {"k": None}], "ok": True}]
@@ -119,3 +126,90 @@ def test_auto_picks_the_parser_from_the_template():
         == "llama3_json"
     assert detect_parser("{{ tools }} <tool_call>\n{{ tool_call }}</tool_call>", True) \
         == "hermes"
+
+
+TOOLS = frozenset({"get_weather", "lookup"})
+CLASSES = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+
+
+def _wrap(fmt: str, body: str) -> str:
+    """One object written as `fmt` writes a call."""
+    if fmt == "hermes":
+        return f"{TOOL_CALL_START}\n{body}\n{TOOL_CALL_END}"
+    if fmt == "mistral":
+        return f"{MISTRAL_TOOL_CALLS} [{body}]"
+    return body
+
+
+def _splits(text: str):
+    """The text cut at every position into two pieces, and fed one character at a time."""
+    for k in range(len(text) + 1):
+        yield [text[:k], text[k:]]
+    yield list(text)
+
+
+def _parse(cls, pieces: list[str]):
+    parser = cls(tools=TOOLS)
+    events = [e for p in pieces for e in parser.feed(p)] + parser.feed("", final=True)
+    return parser, events
+
+
+# NOTE: whitespace (a newline too) between the arguments' key and value, as models write it
+SPACED = {"hermes": '{"name": "get_weather", "arguments": \n {"a": 1, "b": [true, null]}}',
+          "llama3_json": '{"name": "get_weather", "parameters":  \n{"a": 1, "b": [true, null]}}',
+          "mistral": '{"name": "get_weather", "arguments": \t\n {"a": 1, "b": [true, null]}}'}
+
+
+@pytest.mark.parametrize("fmt", list(CLASSES))
+def test_arguments_survive_every_split(fmt):
+    text = _wrap(fmt, SPACED[fmt])
+    whole = json.loads(SPACED[fmt])
+    args_key = "parameters" if fmt == "llama3_json" else "arguments"
+    for pieces in _splits(text):
+        parser, events = _parse(CLASSES[fmt], pieces)
+        assert [(n, json.loads(a)) for _, n, a in parser.calls] == [
+            (whole["name"], whole[args_key])], pieces
+        assert "".join(e.arguments for e in events) == parser.calls[0][2]
+        assert "".join(e.content for e in events).strip() == ""
+
+
+# (object, the call it is or None) for a request whose tools are TOOLS
+OBJECTS = [
+    ('{"user": {"name": "Bob"}, "age": 3}', None),  # "name" below the top level
+    ('{"answer": 42}', None),  # JSON that names nothing
+    ('{"name": "delete_everything", "arguments": {"x": 1}}', None),  # not one of the tools
+    ('{"name": 7, "arguments": {}}', None),  # a name that is no string
+    ('{"parameters": {"name": "x"}, "arguments": {"name": "x"}, "name": "lookup"}',
+     ("lookup", {"name": "x"})),  # the name after the arguments, which hold a "name"
+    ('{"name": "lookup"}', ("lookup", {})),  # no arguments: "{}"
+    ('{"type": "function", "name": "lookup", "arguments": {"q": {"name": "get_weather"}}}',
+     ("lookup", {"q": {"name": "get_weather"}})),
+]
+
+
+@pytest.mark.parametrize("fmt", list(CLASSES))
+@pytest.mark.parametrize(("body", "call"), OBJECTS)
+def test_only_a_top_level_name_of_a_tool_is_a_call(fmt, body, call):
+    """Stream (any split) and whole text agree: a call to one of the request's tools by its
+    top-level name, with JSON arguments; anything else is content, all of it."""
+    text = "Sure. " + _wrap(fmt, body) if fmt != "llama3_json" else _wrap(fmt, body)
+    expected = json.loads(body)
+    for pieces in _splits(text):
+        parser, events = _parse(CLASSES[fmt], pieces)
+        content = "".join(e.content for e in events)
+        if call is None:
+            assert parser.calls == [] and content == text, pieces
+            assert not any(e.index is not None for e in events)
+        else:
+            assert [(n, json.loads(a)) for _, n, a in parser.calls] == [call], pieces
+            assert call[0] == expected["name"]
+            assert "".join(e.arguments for e in events) == parser.calls[0][2]
+            assert content.strip() == ("" if fmt == "llama3_json" else "Sure.")
+
+
+def test_a_later_object_that_is_no_call_is_content():
+    text = '{"name": "lookup", "parameters": {"q": 1}}; {"name": "nope", "parameters": {}}'
+    for pieces in _splits(text):
+        parser, events = _parse(Llama3JsonParser, pieces)
+        assert [(n, json.loads(a)) for _, n, a in parser.calls] == [("lookup", {"q": 1})]
+        assert "".join(e.content for e in events) == '; {"name": "nope", "parameters": {}}'

@@ -93,3 +93,19 @@ async def test_a_special_token_opening_is_kept_for_the_parser(tokenizer_dir: Pat
     sampling = engine.submitted[0].sampling
     assert sampling.skip_special_tokens is False
     assert sampling.structured_outputs.grammar.startswith(f"start: <[{new_id}]>")
+
+
+@pytest.mark.parametrize("reply", [
+    '{"answer": 42}', '{"user": {"name": "get_weather"}, "age": 3}',
+    '{"name": "no_such_tool", "parameters": {"city": "Oslo"}}'])
+async def test_json_that_is_no_call_is_the_same_content_streamed_or_not(
+        tokenizer_dir: Path, reply: str) -> None:
+    """llama3_json: a JSON reply that calls none of the request's tools is the reply's text,
+    streamed or not, and finishes `stop` with no tool_calls."""
+    engine = FakeEngine(tokenizer_dir, reply=reply, interval=0.0, max_model_len=1024)
+    chunks, final, whole = await _stream_calls(engine, "llama3_json")
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content == reply
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+    for r in (final, whole):
+        assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
