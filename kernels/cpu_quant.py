@@ -33,18 +33,20 @@ NUMERICS = {"a32": 0, "a8": 1}
 
 _lib: ctypes.CDLL | None = None
 _tried = False
+_error: str | None = None
 
 
 def available() -> bool:
     """The library is built and loaded (tried once per process)."""
-    global _lib, _tried
+    global _lib, _tried, _error
     if not _tried:
         _tried = True
         from kernels import cc_build
 
         try:
             lib = cc_build.build(SOURCE, FLAGS)
-        except ImportError:
+        except ImportError as e:
+            _error = str(e)
             return False
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         lib.quant_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32, i32, i32]
@@ -65,6 +67,11 @@ def available() -> bool:
         lib.isa_supported.restype = lib.best_isa.restype = i32
         _lib = lib
     return _lib is not None
+
+
+def build_error() -> str | None:
+    """Why the library could not be built (after `available()` said False), else None."""
+    return _error
 
 
 def _library() -> ctypes.CDLL:
@@ -93,18 +100,14 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, type_id: int, k: int, numerics
            num_threads: int | None = None) -> torch.Tensor:
     """x [M, k] float32 (rows contiguous) @ W^T -> [M, N] float32; W is `blocks` [N, bytes]."""
     lib = _library()
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"x must be float32 [M, {k}] with contiguous rows")
     if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
         raise ValueError("blocks must be a contiguous uint8 tensor")
-    n, m = blocks.shape[0], x.shape[0]
+    n = blocks.shape[0]
     if blocks.shape[1] != row_bytes(type_id, k):
         raise ValueError(f"blocks rows hold {blocks.shape[1]} bytes, {TYPE_NAMES[type_id]} x "
                          f"{k} needs {row_bytes(type_id, k)}")
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    if out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be float32 [{m}, {n}] with contiguous rows")
+    out = _product_out(x, k, n, out)
+    m = x.shape[0]
     if m == 0:
         return out
     rc = lib.quant_matmul(type_id, blocks.data_ptr(), n, k, x.data_ptr(), x.stride(0), m,
@@ -112,6 +115,19 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, type_id: int, k: int, numerics
                           num_threads or torch.get_num_threads())
     if rc:
         raise RuntimeError(f"quant_matmul failed ({TYPE_NAMES[type_id]}, isa {isa})")
+    return out
+
+
+def _product_out(x: torch.Tensor, k: int, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Check a product's input x [M, k] and output [M, n] (float32, contiguous rows); the
+    output, allocated when None."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"x must be float32 [M, {k}] with contiguous rows")
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    if out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 [{m}, {n}] with contiguous rows")
     return out
 
 
@@ -180,13 +196,8 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, type_id: int, n: int, k
                   num_threads: int | None = None) -> torch.Tensor:
     """x [M, k] float32 (rows contiguous) @ W^T -> [M, n], W packed by `pack`."""
     _check_packed(packed, type_id, n, k)
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"x must be float32 [M, {k}] with contiguous rows")
+    out = _product_out(x, k, n, out)
     m = x.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    if out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be float32 [{m}, {n}] with contiguous rows")
     if m == 0:
         return out
     rc = _lib.quant_matmul_packed(type_id, packed.data_ptr(), n, k, x.data_ptr(), x.stride(0), m,

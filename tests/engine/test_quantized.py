@@ -8,6 +8,7 @@ checkpoint: sampled-token log-probs within a stated tolerance of the dense run.
 
 from __future__ import annotations
 
+import c_build
 import pytest
 import torch
 from tiny_llama import build_tiny_llama
@@ -19,7 +20,11 @@ from engine.models.quant_linear import QuantEmbedding, QuantLinear
 from ipc.model_source import resolve_model
 from kernels import cpu_quant
 
-pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler")
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    c_build.require(None if cpu_quant.available() else cpu_quant.build_error())
+
 
 PROMPTS = [[1, 422, 3110, 2706], [1] + list(range(300, 340)), [5, 6, 7]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)

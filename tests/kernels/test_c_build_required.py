@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("test", [
     "tests/kernels/test_cpu_ops.py::test_rope_falls_back_where_the_kernel_does_not_fit",
     "tests/kernels/test_cpu_backend.py::test_cpu_write_kv_skips_padding",
+    "tests/kernels/test_cpu_quant.py::test_dequantize_rows_gathers_gguf_rows[scalar]",
 ])
 def test_a_failing_compiler_fails_the_tests(tmp_path, test):
     env = {**os.environ, "CC": "false", "PAGEDSERVE_CACHE": str(tmp_path)}
@@ -24,3 +25,16 @@ def test_a_failing_compiler_fails_the_tests(tmp_path, test):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "the C kernels must build on x86-64 Linux" in done.stdout
+
+
+@pytest.mark.skipif(c_build.cpu_flags() is None, reason="no /proc/cpuinfo")
+def test_a_simd_path_the_cpu_has_cannot_be_skipped() -> None:
+    flags = c_build.cpu_flags()
+    for isa, needs in c_build.CPUINFO_FLAGS.items():
+        if needs <= flags:  # type: ignore[operator]
+            with pytest.raises(pytest.fail.Exception, match="unsupported"):
+                c_build.require_isa(isa, supported=False)
+        else:
+            with pytest.raises(pytest.skip.Exception):
+                c_build.require_isa(isa, supported=False)
+        c_build.require_isa(isa, supported=True)  # supported: neither

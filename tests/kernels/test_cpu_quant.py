@@ -9,6 +9,7 @@ max|x_group| / 127, the worst case of rounding the activations to int8.
 
 from __future__ import annotations
 
+import c_build
 import numpy as np
 import pytest
 import torch
@@ -17,7 +18,11 @@ from gguf.quants import dequantize
 
 from kernels import cpu_quant
 
-pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler")
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    c_build.require(None if cpu_quant.available() else cpu_quant.build_error())
+
 
 FP16_AT = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
 EXTREME = np.array([65504.0, -65504.0, 6e-8, -6e-8, 0.0, 1e-4], dtype=np.float16)
@@ -53,8 +58,7 @@ def a8_slack(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("type_id", sorted(cpu_quant.BLOCKS), ids=lambda t: cpu_quant.TYPE_NAMES[t])
 def test_matmul_matches_float64_of_gguf_dequantized(type_id: int, isa: str) -> None:
-    if not cpu_quant.isa_supported(isa):
-        pytest.skip(f"this CPU has no {isa}")
+    c_build.require_isa(isa, cpu_quant.isa_supported(isa))
     rng = np.random.default_rng(type_id)
     for k in widths(type_id):
         n = 37  # NOTE: not a multiple of the kernel's 16-feature chunks
@@ -82,8 +86,7 @@ def test_matmul_matches_float64_of_gguf_dequantized(type_id: int, isa: str) -> N
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_dequantize_rows_gathers_gguf_rows(isa: str) -> None:
-    if not cpu_quant.isa_supported(isa):
-        pytest.skip(f"this CPU has no {isa}")
+    c_build.require_isa(isa, cpu_quant.isa_supported(isa))
     rng = np.random.default_rng(1)
     for type_id in sorted(cpu_quant.BLOCKS):
         k = widths(type_id)[0]
@@ -109,8 +112,13 @@ def test_bad_shapes_and_ids_are_refused() -> None:
     assert cpu_quant.best_isa() in cpu_quant.ISAS
 
 
-packed_only = pytest.mark.skipif(not cpu_quant.available() or not cpu_quant.isa_supported("avx512"),
-                                 reason="the packed kernels need AVX-512 VNNI")
+@pytest.fixture
+def _packed() -> None:
+    """The packed kernels need AVX-512 VNNI (after the autouse build check)."""
+    c_build.require_isa("avx512", cpu_quant.isa_supported("avx512"))
+
+
+packed_only = pytest.mark.usefixtures("_packed")
 
 
 @packed_only
