@@ -14,7 +14,6 @@ import argparse
 import gc
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.procs import stop, wait_health
 
 ROOT = Path(__file__).resolve().parents[1]
 PARITY_TEXT = ("The history of the printing press begins in the fifteenth century, when movable "
@@ -164,16 +165,11 @@ def step_serve(args: argparse.Namespace) -> str:
                             env=_env())
     try:
         started = time.perf_counter()
-        _wait_health(f"http://127.0.0.1:{port}", proc, _step_timeout(args))
+        wait_health(f"http://127.0.0.1:{port}", proc, _step_timeout(args), "serve")
         ready_s = time.perf_counter() - started
         return f"ready in {ready_s:.1f} s; " + _stream_one(port)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def step_throughput(args: argparse.Namespace) -> str:
@@ -356,23 +352,6 @@ def _stream_one(port: int) -> str:
         raise AssertionError("the stream carried no content")
     ttft = (first or start) - start
     return f"streamed {chunks} chunks, first after {ttft * 1e3:.0f} ms: {text[:40]!r}"
-
-
-def _wait_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace")[-600:] if proc.stderr else ""
-            raise RuntimeError(f"serve exited with {proc.returncode}: {err}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"/health was not 200 within {timeout:g} s")
 
 
 def _subprocess(cmd: list[str], timeout: float) -> str:

@@ -15,11 +15,9 @@ import datetime as dt
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from tqdm import tqdm
 from bench import plots
 from bench.loadgen import Target, make_prompt, run_concurrency, run_poisson
 from bench.metrics import SLO, summarize
+from bench.procs import stop, wait_health
 from bench.workloads import DISTRIBUTIONS, RequestSpec, make_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,29 +136,10 @@ def baseline_server(model: str | None, batch_size: int, startup_timeout: float =
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_health(url, proc, startup_timeout)
+        wait_health(url, proc, startup_timeout, "baseline server", poll_s=0.5)
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"baseline server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("baseline server never became healthy")
+        stop(proc)
 
 
 def ratios(ours: dict, base: dict) -> dict:

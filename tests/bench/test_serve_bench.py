@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from bench import plots, serve
+from bench import plots, procs, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,15 +32,10 @@ def pagedserve_url(tiny_model_dir: Path) -> Iterator[str]:
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        serve._wait_health(url, proc, 180)
+        procs.wait_health(url, proc, 180, "pagedserve")
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        procs.stop(proc)
 
 
 @pytest.fixture(scope="module")
