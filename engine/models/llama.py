@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from torch import nn
 from engine.forward_context import get_forward_context
 from engine.models.config import ModelConfig
 from kernels import cpu_ops
+
+if TYPE_CHECKING:
+    from engine.models.fused_stack import DecodeStack
 
 
 def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Module:
@@ -261,6 +265,9 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None
         self.local_rope: RotaryEmbedding | None = None  # Gemma 3's windowed layers
         self.fused_cpu_ops = False
+        # a plain decode step's whole stack in one C call (engine/models/fused_stack.py),
+        # built by set_fused_cpu_ops where every layer is a packed quantized one
+        self.decode_stack: DecodeStack | None = None
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         self.rope = RotaryEmbedding(self.cfg, max_positions, device)
@@ -279,6 +286,9 @@ class LlamaForCausalLM(nn.Module):
         """
         assert self.rope is not None, "call init_rope() first"
         x = self.embed(input_ids)
+        stack = self.decode_stack
+        if stack is not None and stack.fits(x, positions, num_layers):
+            return stack(x, positions, self.rope, num_layers)
         rope = self.rope.lookup(positions, x.dtype, self.fused_cpu_ops)
         local = rope if self.local_rope is None else self.local_rope.lookup(
             positions, x.dtype, self.fused_cpu_ops)
@@ -289,11 +299,15 @@ class LlamaForCausalLM(nn.Module):
 
     def set_fused_cpu_ops(self, on: bool) -> None:
         """Run RMSNorm (with its residual add) and rope in kernels/cpu_ops.py's C kernels where
-        the tensors are float32 on the CPU; off (the default): the torch formulas."""
+        the tensors are float32 on the CPU; off (the default): the torch formulas. On, a
+        model of packed quantized layers also gets its one-call decode stack."""
+        from engine.models.fused_stack import DecodeStack  # NOTE: it imports this module
+
         self.fused_cpu_ops = on = on and cpu_ops.available()
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.fused = on
+        self.decode_stack = DecodeStack.build(self) if on else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied to the embedding

@@ -107,6 +107,12 @@ class QuantLinear(nn.Module):
                                                 numerics) if (
             len(self.parts) == 1 and one.packed and self.bias is None) else None
 
+    @property
+    def packed_weight(self) -> QuantWeight | None:
+        """The layer's one packed part when it is a single packed product without bias (the
+        decode fast path; kernels/cpu_fused.c takes such layers), else None."""
+        return self.parts[0] if self._product is not None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if (self._product is not None and x.dtype == torch.float32 and x.is_contiguous()
@@ -179,13 +185,15 @@ class QuantMLP(nn.Module):
     def __init__(self, gate_up: QuantLinear, down: QuantLinear, act: str) -> None:
         super().__init__()
         gu, dn = gate_up.parts[0], down.parts[0]
-        self.hidden = down.out_features
+        self.gate_up, self.down = gu, dn  # packed [2 inter, hidden] (gate first), [hidden, inter]
+        self.act, self.numerics = act, gate_up.numerics
+        self.hidden, self.inter = down.out_features, down.in_features
         self._mlp = cpu_quant.PackedMLP(gu.data, gu.type_id, dn.data, dn.type_id, self.hidden,
                                         down.in_features, gate_up.numerics, act)
 
     @staticmethod
     def applies(gate_up: nn.Module, down: nn.Module) -> bool:
-        return all(isinstance(m, QuantLinear) and m._product is not None
+        return all(isinstance(m, QuantLinear) and m.packed_weight is not None
                    for m in (gate_up, down)) and gate_up.out_features == 2 * down.in_features
 
     def fits(self, x: torch.Tensor) -> bool:

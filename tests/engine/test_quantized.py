@@ -63,6 +63,8 @@ def test_gguf_a32_equals_dequantized(type_name, tiny_model_dir, wide_model_dir,
                    for p in m.parts)
         assert model.embed_tokens.weight_q.packed
         assert all(layer.mlp.fused is not None for layer in model.layers)
+        # the decode steps ran as one C call each (engine/models/fused_stack.py)
+        assert model.decode_stack is not None and model.decode_stack.calls >= 11
     float_cache = float32_cache(resolve_model(str(path)))
     assert not float_cache.exists()
     del llm
@@ -112,6 +114,8 @@ def test_int8_dense_checkpoint(tiny_model_dir, bundled_tokenizer_dir):
     llm, q = _run(tiny_model_dir, bundled_tokenizer_dir, quantization="int8")
     assert llm.engine.quantization == "int8"
     assert isinstance(llm.engine.runner.model.embed_tokens, QuantEmbedding)
+    if cpu_quant.isa_supported("avx512"):  # Q8_0 tiles: the decode steps run as one call
+        assert llm.engine.runner.model.decode_stack.calls > 0
     del llm
     _, d = _run(tiny_model_dir, bundled_tokenizer_dir, quantization="none")
     for x, y in zip(q, d, strict=True):

@@ -1,0 +1,100 @@
+"""The decoder stack of a plain decode step in one C call (kernels/cpu_fused.py) for
+Llama-layout models whose projections are all packed quantized layers.
+
+`DecodeStack.build(model)` says whether a model qualifies (else None: its layers always run
+one by one); `fits` decides per step (every row one token, float32 KV pools, the `cpu`
+attention backend), and the per-layer path runs whatever it does not take: prefill and mixed
+steps, speculative verification, FP8 or float16 caches, the torch backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.forward_context import get_forward_context
+from engine.models.llama import DecoderLayer, LlamaForCausalLM, RotaryEmbedding
+from engine.models.quant_linear import PREFILL_ROWS, QuantLinear, QuantMLP
+from kernels import cpu_fused
+
+
+class DecodeStack:
+    """A model's layers as one kernels/cpu_fused.py call; `calls` counts the steps it ran."""
+
+    def __init__(self, kernel: cpu_fused.DecodeStack) -> None:
+        self.kernel = kernel
+        self.calls = 0
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM) -> DecodeStack | None:
+        """The stack for `model`, or None where a layer has anything the driver lacks (biases,
+        q/k norms, windows, soft-caps, Gemma's extra norms, unpacked or K-quant projections,
+        a dense MLP) or the C kernels cannot run here."""
+        layers = [_layer_weights(layer) for layer in model.layers]
+        if not layers or None in layers or not cpu_fused.available():
+            return None
+        attns = [layer.self_attn for layer in model.layers]
+        mlps = [layer.mlp.fused for layer in model.layers]
+        numerics = {m.numerics for m in mlps} | {
+            p.numerics for a in attns for p in (a.qkv_proj, a.o_proj)}
+        if len({a.scale for a in attns}) != 1 or len(numerics) != 1 or len(
+                {m.act for m in mlps}) != 1:
+            return None
+        cfg = model.cfg
+        norm = model.norm.weight.detach()
+        if norm.dtype != torch.float32:
+            return None
+        kernel = cpu_fused.DecodeStack(
+            layers, norm, hidden=cfg.hidden_size, inter=mlps[0].inter, heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+            scale=attns[0].scale, numerics=numerics.pop(), act=mlps[0].act)
+        return cls(kernel)
+
+    def fits(self, x: torch.Tensor, positions: torch.Tensor, num_layers: int | None) -> bool:
+        """This step's batch: plain decodes only (one token per sequence, at most
+        PREFILL_ROWS rows, the products' decode path), float32 tensors and pools the
+        kernels index, the `cpu` backend."""
+        ctx = get_forward_context()
+        meta = ctx.attn_metadata
+        rows = x.shape[0]
+        tables = meta.block_tables
+        return (0 < rows <= PREFILL_ROWS and meta.num_decodes == rows == meta.num_seqs
+                and meta.window is None and (num_layers is None or num_layers >= 0)
+                and x.dtype == torch.float32 and x.is_contiguous()
+                and positions.dtype == torch.int64 and positions.is_contiguous()
+                and meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous()
+                and tables.dtype == torch.int64 and tables.stride(1) == 1
+                and meta.seq_lens.dtype == torch.int32 and meta.seq_lens.is_contiguous()
+                and cpu_fused.runs_with(ctx.backend) and self.kernel.caches_fit(ctx.kv_caches))
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                 num_layers: int | None) -> torch.Tensor:
+        """The hidden states after the first num_layers layers (None: all) and the final
+        norm, as LlamaForCausalLM.forward returns them."""
+        ctx = get_forward_context()
+        meta = ctx.attn_metadata
+        self.kernel.set_caches(ctx.kv_caches)
+        n = self.kernel.num_layers if num_layers is None else min(num_layers,
+                                                                  self.kernel.num_layers)
+        self.calls += 1
+        return self.kernel(x, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                           rope.cos, rope.sin, n, torch.get_num_threads())
+
+
+def _layer_weights(layer: torch.nn.Module) -> cpu_fused.LayerWeights | None:
+    """The layer's tensors for the driver, or None where it is not a plain Llama layer whose
+    projections are packed products and whose MLP is one call."""
+    if type(layer) is not DecoderLayer or layer.uses_local_rope:
+        return None
+    attn, mlp = layer.self_attn, layer.mlp.fused
+    if (attn.q_norm is not None or attn.window is not None or attn.softcap is not None
+            or not isinstance(mlp, QuantMLP)):
+        return None
+    projs = [p.packed_weight if isinstance(p, QuantLinear) else None
+             for p in (attn.qkv_proj, attn.o_proj)]
+    norms = [n.weight.detach() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if None in projs or any(n.dtype != torch.float32 for n in norms):
+        return None
+    qkv, o = projs
+    return cpu_fused.LayerWeights(*norms, (qkv.data, qkv.type_id), (o.data, o.type_id),
+                                  (mlp.gate_up.data, mlp.gate_up.type_id),
+                                  (mlp.down.data, mlp.down.type_id))

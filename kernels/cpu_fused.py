@@ -1,0 +1,187 @@
+"""A decode step's decoder stack in one C call (kernels/cpu_fused.c) over packed quantized
+layers: the driver calls cpu_ops.c's norms and rope, cpu_quant.c's packed products and MLP
+and cpu_decode.c's KV write and decode attention through their addresses, which `available`
+takes from those libraries once.
+
+NOTE: 30 layers of SmolLM2-135M cost about 2.9 ms of Python and torch per decoded token
+between the kernels (a8: 9.2 ms per token, of which the products 5.3 and attention 1.0).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_fused.c")
+FLAGS = ["-O3", "-fPIC", "-std=gnu11"]
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+NUMERICS = {"a32": 0, "a8": 1}
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(n, _ptr) for n in ("add_rms_norm", "rope", "matmul", "mlp", "write_kv",
+                                     "decode")]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [*[(n, _i64) for n in ("hidden", "inter", "heads", "kv_heads", "head_dim",
+                                      "block_size", "num_slots")],
+                ("eps", _f32), ("scale", _f32), ("numerics", ctypes.c_int),
+                ("act", ctypes.c_int)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [*[(n, _ptr) for n in ("input_norm", "post_norm", "qkv", "o", "gate_up",
+                                      "down")],
+                *[(n, _i64) for n in ("qkv_type", "o_type", "gate_up_type", "down_type")],
+                ("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+_lib: ctypes.CDLL | None = None
+_kernels: _Kernels | None = None
+_tried = False
+_error: str | None = None
+
+
+def available() -> bool:
+    """The driver and the three kernel libraries are built and loaded (tried once)."""
+    global _lib, _kernels, _tried, _error
+    if not _tried:
+        _tried = True
+        from kernels import cc_build, cpu_ops, cpu_quant
+
+        try:
+            from kernels import cpu_backend  # NOTE: builds cpu_decode.c at import
+
+            lib = cc_build.build(SOURCE, FLAGS)
+            if not (cpu_quant.available() and cpu_ops.available()):
+                raise ImportError(cpu_quant.build_error() or cpu_ops.build_error())
+        except ImportError as e:
+            _error = str(e)
+            return False
+        lib.fused_decode_stack.argtypes = [
+            _ptr, _ptr, _ptr, ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
+            _ptr, _ptr, _ptr, ctypes.c_int]
+        lib.fused_decode_stack.restype = ctypes.c_int
+        # NOTE: the cached libraries again (dlopen of a loaded path returns the loaded one)
+        ops, quant, decode = (cc_build.build(m.SOURCE, m.FLAGS)
+                              for m in (cpu_ops, cpu_quant, cpu_backend))
+
+        def addr(f) -> int:
+            return ctypes.cast(f, _ptr).value
+
+        _kernels = _Kernels(addr(ops.add_rms_norm_f32), addr(ops.rope_f32),
+                            addr(quant.quant_matmul_packed), addr(quant.quant_mlp_packed),
+                            addr(decode.write_kv_f32), addr(decode.paged_decode_f32))
+        _lib = lib
+    return _lib is not None
+
+
+def build_error() -> str | None:
+    """Why the driver cannot run (after `available()` said False), else None."""
+    return _error
+
+
+def runs_with(backend: object) -> bool:
+    """The attention backend whose kernels the driver calls (kernels.cpu_backend)."""
+    import sys
+
+    return available() and backend is sys.modules.get("kernels.cpu_backend")
+
+
+class LayerWeights:
+    """One layer's tensors: norms float32 [hidden]; packed tiles (kernels/cpu_quant.py's
+    `pack`) of qkv [(heads + 2 kv_heads) head_dim, hidden] (q, k, v rows in that order),
+    o [hidden, heads head_dim], gate_up [2 inter, hidden] (gate rows first), down
+    [hidden, inter], with their ggml type ids."""
+
+    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor,
+                 qkv: tuple[torch.Tensor, int], o: tuple[torch.Tensor, int],
+                 gate_up: tuple[torch.Tensor, int], down: tuple[torch.Tensor, int]) -> None:
+        self.input_norm, self.post_norm = input_norm, post_norm
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+
+
+class DecodeStack:
+    """One model's prepared call: the layer table is built once, the KV pool pointers when
+    the caches change (`set_caches`), the step's metadata per call."""
+
+    def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, *, hidden: int,
+                 inter: int, heads: int, kv_heads: int, head_dim: int, eps: float,
+                 scale: float, numerics: str, act: str) -> None:
+        if not available():
+            raise RuntimeError(f"kernels/cpu_fused.c cannot run here: {_error}")
+        for t in (final_norm, *(t for w in layers for t in (w.input_norm, w.post_norm))):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != hidden:
+                raise ValueError(f"norm weights must be contiguous float32 [{hidden}]")
+        self._keep = (layers, final_norm)  # NOTE: the table holds their raw addresses
+        self._table = (_Layer * len(layers))()
+        for row, w in zip(self._table, layers, strict=True):
+            row.input_norm, row.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
+            for name in ("qkv", "o", "gate_up", "down"):
+                tiles, type_id = getattr(w, name)
+                setattr(row, name, tiles.data_ptr())
+                setattr(row, f"{name}_type", type_id)
+        self._shape = _Shape(hidden, inter, heads, kv_heads, head_dim, 0, 0, eps, scale,
+                             NUMERICS[numerics], ACTIVATIONS[act])
+        self._final = final_norm.data_ptr()
+        self._caches: list | None = None
+        self.num_layers, self.hidden = len(layers), hidden
+
+    def caches_fit(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """float32 contiguous pools [blocks, block_size, kv_heads, head_dim], one per layer, of
+        one shape, in sizes the decode kernel takes (kernels/cpu_backend.py's limits)."""
+        from kernels.cpu_backend import MAX_BLOCK, MAX_GROUP, MAX_ROWS
+
+        if kv_caches is self._caches:
+            return True
+        s = self._shape
+        if len(kv_caches) < self.num_layers:
+            return False
+        shape = kv_caches[0][0].shape
+        group = s.heads // s.kv_heads
+        return (len(shape) == 4 and tuple(shape[2:]) == (s.kv_heads, s.head_dim)
+                and shape[1] <= MAX_BLOCK and group <= MAX_GROUP
+                and group * s.head_dim <= MAX_ROWS
+                and all(c.dtype == torch.float32 and c.device.type == "cpu"
+                        and c.is_contiguous() and c.shape == shape
+                        for pair in kv_caches[: self.num_layers] for c in pair))
+
+    def set_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Point the layer table at these pools (caches_fit said they fit)."""
+        if kv_caches is self._caches:
+            return
+        for row, (k, v) in zip(self._table, kv_caches, strict=False):
+            row.k_cache, row.v_cache = k.data_ptr(), v.data_ptr()
+        shape = kv_caches[0][0].shape
+        self._shape.block_size = shape[1]
+        self._shape.num_slots = shape[0] * shape[1]
+        self._caches = kv_caches
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 tables: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, num_layers: int, num_threads: int) -> torch.Tensor:
+        """The final norm of layer num_layers's hidden states, [rows, hidden].
+
+        x float32 [rows, hidden] contiguous; positions, slots int64 [rows]; tables int64
+        [rows, >= blocks] with contiguous rows; seq_lens int32 [rows]; cos, sin float32
+        [max_positions, head_dim] contiguous (the signed sin of engine/models/llama.py's
+        RotaryEmbedding). Not checked here: the caller's fits() did.
+        """
+        rows = x.shape[0]
+        out = torch.empty(rows, self.hidden, dtype=torch.float32)
+        rc = _lib.fused_decode_stack(
+            ctypes.addressof(_kernels), ctypes.addressof(self._shape),
+            ctypes.addressof(self._table), num_layers, x.data_ptr(), rows,
+            positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
+            seq_lens.data_ptr(), cos.data_ptr(), sin.data_ptr(), self._final, out.data_ptr(),
+            num_threads)
+        if rc == -2:
+            raise IndexError("KV cache slots out of range")
+        if rc:
+            raise RuntimeError("fused_decode_stack failed")
+        return out

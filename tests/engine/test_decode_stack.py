@@ -1,0 +1,148 @@
+"""The one-call decoder stack (engine/models/fused_stack.py, kernels/cpu_fused.c) on tiny
+GGUF files: against the per-layer path on the same model and KV state, and where it must
+leave a step to the per-layer path. Greedy parity with `--quantization none` while the stack
+runs is checked in test_quantized.py (test_gguf_a32_equals_dequantized).
+"""
+
+from __future__ import annotations
+
+import c_build
+import pytest
+import torch
+from tiny_quant_gguf import write_tiny_gguf
+
+from engine import LLM, SamplingParams
+from engine.forward_context import ForwardContext, forward_context
+from kernels import AttentionMetadata, cpu_backend, cpu_fused, cpu_quant, torch_backend
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    c_build.require(None if cpu_fused.available() else cpu_fused.build_error())
+    c_build.require_isa("avx512", cpu_quant.isa_supported("avx512"))  # packed tiles need it
+
+
+@pytest.fixture(scope="module")
+def q4_1_gguf(tiny_model_dir, tmp_path_factory):
+    return write_tiny_gguf(tiny_model_dir, tmp_path_factory.mktemp("stack") / "q4_1.gguf",
+                           "Q4_1")
+
+
+@pytest.fixture(scope="module", params=["a32", "a8"])
+def llm(request, q4_1_gguf, bundled_tokenizer_dir):
+    return LLM(str(q4_1_gguf), tokenizer=str(bundled_tokenizer_dir), max_model_len=256,
+               num_gpu_blocks=64, quantization="gguf", quantization_numerics=request.param)
+
+
+def _batch(lens: list[int], query_lens: list[int], block_size: int, gen: torch.Generator):
+    """Token ids, positions and metadata of sequences of `lens` tokens (the new ones
+    included), each in its own blocks, the last query_lens[i] tokens new."""
+    per = [-(-n // block_size) for n in lens]
+    tables = torch.zeros(len(lens), max(per), dtype=torch.int64)  # padded with block 0
+    for i, first in enumerate(torch.tensor([1, *per]).cumsum(0)[:-1].tolist()):
+        tables[i, : per[i]] = torch.arange(first, first + per[i])
+    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, query_lens, strict=True)])
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(query_lens))
+    slots = tables[seq, positions // block_size] * block_size + positions % block_size
+    qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    meta = AttentionMetadata(
+        query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=tables, slot_mapping=slots,
+        num_decodes=sum(q == 1 for q in query_lens), query_lens_cpu=query_lens,
+        seq_lens_cpu=lens, max_decode_seq_len=max(lens))
+    ids = torch.randint(100, 49152, (len(positions),), generator=gen)
+    return ids, positions, meta
+
+
+def _forward(model, caches, meta, ids, positions, backend=cpu_backend, num_layers=None):
+    with torch.inference_mode(), forward_context(ForwardContext(meta, caches, backend)):
+        return model(ids, positions, num_layers=num_layers)
+
+
+def _random_state(runner, gen) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen))
+            for k, v in runner.kv_caches]
+
+
+def _copy(caches):
+    return [(k.clone(), v.clone()) for k, v in caches]
+
+
+@pytest.mark.parametrize("lens", [[1], [40], [1, 17, 40, 100], [16, 33, 250, 2, 64, 5, 129]])
+def test_stack_equals_the_per_layer_path(llm, lens):
+    """Same model, same KV state: the same hidden states and KV writes. NOTE: tolerance 0:
+    the driver calls the per-layer path's own kernels with the same arguments (seen bit-equal
+    for a32 and a8)."""
+    runner = llm.engine.runner
+    model, stack = runner.model, runner.model.decode_stack
+    assert stack is not None
+    gen = torch.Generator().manual_seed(len(lens))
+    state = _random_state(runner, gen)
+    ids, positions, meta = _batch(lens, [1] * len(lens), runner.block_size, gen)
+    for num_layers in (None, 1):  # all layers, and the self draft's first layer
+        calls = stack.calls
+        fused_caches = _copy(state)
+        fused = _forward(model, fused_caches, meta, ids, positions, num_layers=num_layers)
+        assert stack.calls == calls + 1
+        model.decode_stack = None
+        try:
+            layer_caches = _copy(state)
+            ref = _forward(model, layer_caches, meta, ids, positions, num_layers=num_layers)
+        finally:
+            model.decode_stack = stack
+        assert torch.equal(fused, ref)
+        for (fk, fv), (rk, rv) in zip(fused_caches, layer_caches, strict=True):
+            assert torch.equal(fk, rk) and torch.equal(fv, rv)
+
+
+def test_steps_the_stack_does_not_take_fall_back(llm):
+    """A mixed step (a prefill chunk beside decodes), the torch backend, FP8 and float16
+    pools, too many rows: the per-layer path runs and the counter stays."""
+    runner = llm.engine.runner
+    model, stack = runner.model, runner.model.decode_stack
+    gen = torch.Generator().manual_seed(1)
+    state = _random_state(runner, gen)
+    calls = stack.calls
+    mixed = _batch([20, 9], [1, 5], runner.block_size, gen)
+    _forward(model, _copy(state), mixed[2], *mixed[:2])
+    decode = _batch([20, 9], [1, 1], runner.block_size, gen)
+    _forward(model, _copy(state), decode[2], *decode[:2], backend=torch_backend)
+    for dtype in (torch.float8_e4m3fn, torch.float16):
+        assert not stack.kernel.caches_fit([(k.to(dtype), v.to(dtype)) for k, v in state])
+    wide = _batch([3] * 65, [1] * 65, runner.block_size, gen)
+    with forward_context(ForwardContext(wide[2], state, cpu_backend)):
+        assert not stack.fits(torch.zeros(65, model.cfg.hidden_size), wide[1], None)
+    assert stack.calls == calls
+
+
+def test_models_the_stack_does_not_take(tiny_model_dir, bundled_tokenizer_dir, tmp_path):
+    """A projection with a dense segment (v in F16 beside q/k tiles), a dense model, the
+    torch backend: no stack."""
+    tok = str(bundled_tokenizer_dir)
+    dense = LLM(str(tiny_model_dir), tokenizer=tok, max_model_len=64, num_gpu_blocks=8)
+    assert dense.engine.runner.model.decode_stack is None
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / "q4_1.gguf", "Q4_1")
+    on_torch = LLM(str(path), tokenizer=tok, max_model_len=64, num_gpu_blocks=8,
+                   attention_backend="torch")
+    assert on_torch.engine.runner.model.decode_stack is None
+    mixed = write_tiny_gguf(tiny_model_dir, tmp_path / "mixed.gguf", "Q4_1",
+                            overrides={"attn_v": "F16"})
+    part_dense = LLM(str(mixed), tokenizer=tok, max_model_len=64, num_gpu_blocks=8)
+    assert part_dense.engine.runner.model.decode_stack is None
+
+
+def test_self_draft_and_verification_keep_greedy_output(q4_1_gguf, bundled_tokenizer_dir):
+    """The self draft's steps run the stack's first layer; the verification steps (several
+    tokens per row) fall back; greedy output equals the plain run's."""
+    prompts = [{"prompt_token_ids": [(7 * i + k) % 300 + 100 for i in range(10)] * 2}
+               for k in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = []
+    for options in ({}, {"speculative_method": "self", "speculative_draft_layers": 1,
+                         "num_speculative_tokens": 2}):
+        llm = LLM(str(q4_1_gguf), tokenizer=str(bundled_tokenizer_dir), max_model_len=128,
+                  num_gpu_blocks=32, quantization="gguf", **options)
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+        assert llm.engine.runner.model.decode_stack.calls > 0
+    assert outs[0] == outs[1]
