@@ -25,7 +25,7 @@ from engine.step_plan import (
     decode_first,
 )
 from ipc.messages import PositionLogprobs
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, cpu_ops
 
 # NOTE: prompt logits go through the LM head this many rows at a time (a [rows, vocab]
 # float32 block: 256 x 49152 is 50 MB)
@@ -175,7 +175,7 @@ class ModelRunner:
             for row, i in enumerate(active):
                 s = rows[i].sampling
                 if s.greedy:
-                    token = int(logits[row].argmax())
+                    token = int(cpu_ops.argmax(logits[row : row + 1])[0])
                 else:
                     p = self.sampler.probs(logits[row : row + 1], [s])[0]
                     token = int(torch.multinomial(p, 1, generator=rows[i].generator

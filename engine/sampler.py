@@ -16,6 +16,7 @@ import torch
 from engine import spec_decode
 from ipc.messages import PositionLogprobs, TokenLogprob
 from ipc.sampling import SamplingParams
+from kernels import cpu_ops
 
 
 class SamplingRow(Protocol):
@@ -133,7 +134,7 @@ class Sampler:
     # ---- sampling ------------------------------------------------------------------------
 
     def _sample(self, logits: torch.Tensor, requests: Rows) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
+        greedy = cpu_ops.argmax(logits)  # NOTE: torch's argmax where the C kernel does not fit
         random_rows = [i for i, r in enumerate(requests) if not r.sampling.greedy]
         if not random_rows:
             return greedy
@@ -145,7 +146,7 @@ class Sampler:
             gen = requests[i].generator
             if gen is not None:
                 q[row].exponential_(generator=gen)
-        greedy[idx] = (probs / q).argmax(dim=-1)
+        greedy[idx] = cpu_ops.argmax(probs / q)
         return greedy
 
     def probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

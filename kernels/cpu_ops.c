@@ -56,3 +56,39 @@ void rope_f32(const float *x, int64_t x_stride, const int64_t *positions, const 
         }
     }
 }
+
+/* out[r] = the index of the first largest value of row r (rows `stride` floats apart, n
+ * values each), or of its first NaN where it has one: torch.argmax's answer. Three vectorized
+ * passes (NaNs counted, the max, its first block of 64), each faster than one fused loop. */
+void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * stride;
+        int nans = 0;
+#pragma omp simd reduction(+ : nans)
+        for (int64_t i = 0; i < n; i++)
+            nans += row[i] != row[i];
+        float mx = -INFINITY;
+        if (!nans) {
+#pragma omp simd reduction(max : mx)
+            for (int64_t i = 0; i < n; i++)
+                mx = row[i] > mx ? row[i] : mx;
+        }
+        out[r] = 0;
+        for (int64_t i0 = 0; i0 < n; i0 += 64) {
+            const int64_t i1 = i0 + 64 < n ? i0 + 64 : n;
+            int hit = 0;
+#pragma omp simd reduction(+ : hit)
+            for (int64_t i = i0; i < i1; i++)
+                hit += nans ? row[i] != row[i] : row[i] == mx;
+            if (!hit)
+                continue;
+            for (int64_t i = i0; i < i1; i++)
+                if (nans ? row[i] != row[i] : row[i] == mx) {
+                    out[r] = i;
+                    break;
+                }
+            break;
+        }
+    }
+}

@@ -87,3 +87,19 @@ def test_model_with_fused_ops_matches_the_torch_model():
         with forward_context(ForwardContext(meta, caches, torch_backend)):
             outs.append(model(ids, positions))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 15, 64, 100, 49152])
+def test_argmax_matches_torch(n):
+    """The first largest value, the first NaN where there is one, -inf rows, strided rows."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(6, n + 3, generator=gen)[:, :n]  # rows 3 floats apart beyond n
+    x[1] = x[1].round()  # ties: the first of them
+    x[2, n // 2] = float("nan")
+    x[2, -1] = float("nan")
+    x[3] = float("-inf")
+    x[4, -1] = float("inf")
+    x[5] = torch.full((n,), 7.0)
+    assert x.stride(0) == n + 3
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_ops.argmax(x[:0]), x[:0].argmax(dim=-1))
