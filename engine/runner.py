@@ -140,8 +140,9 @@ class ModelRunner:
                 spans.append((i, len(hidden_rows)))
                 end = last[r.key]
                 hidden_rows.extend(range(end - len(r.spec_token_ids), end + 1))
-        idx = torch.tensor(hidden_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[idx])
+        if hidden_rows != list(range(len(hidden))):  # NOTE: a plain decode step takes all
+            hidden = hidden[torch.tensor(hidden_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         result = self.sampler(logits[: len(plain)], [rows[i] for i in plain])
         out: dict[str, Sampled] = {}
         for i, token, logprobs in zip(plain, result.token_ids, result.logprobs, strict=True):

@@ -129,16 +129,24 @@ class DecodeStack:
         self._shape = _Shape(hidden, inter, heads, kv_heads, head_dim, 0, 0, eps, scale,
                              NUMERICS[numerics], ACTIVATIONS[act])
         self._final = final_norm.data_ptr()
-        self._caches: list | None = None
+        self._caches: list | None = None  # the pools the table points at
+        self._checked: tuple[list, bool] | None = None  # the last pools checked, and the answer
         self.num_layers, self.hidden = len(layers), hidden
 
     def caches_fit(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """float32 contiguous pools [blocks, block_size, kv_heads, head_dim], one per layer, of
         one shape, in sizes the decode kernel takes (kernels/cpu_backend.py's limits)."""
-        from kernels.cpu_backend import MAX_BLOCK, MAX_GROUP, MAX_ROWS
-
         if kv_caches is self._caches:
             return True
+        if self._checked is not None and self._checked[0] is kv_caches:
+            return self._checked[1]  # NOTE: pools that did not fit: not checked every step
+        fit = self._caches_fit(kv_caches)
+        self._checked = (kv_caches, fit)
+        return fit
+
+    def _caches_fit(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        from kernels.cpu_backend import MAX_BLOCK, MAX_GROUP, MAX_ROWS
+
         s = self._shape
         if len(kv_caches) < self.num_layers:
             return False
