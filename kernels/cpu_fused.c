@@ -33,9 +33,21 @@ typedef void (*decode_fn)(const float *q, int64_t q_stride, const float *k_cache
                           const int32_t *seq_lens, float *out, int64_t out_stride, int num_seqs,
                           int heads, int kv_heads, int head_dim, int block_size, float scale,
                           int window, int num_threads);
+/* the same over float16 pools (uint16_t bits) */
+typedef int64_t (*write_kv16_fn)(const float *key, int64_t key_stride, const float *value,
+                                 int64_t value_stride, uint16_t *k_cache, uint16_t *v_cache,
+                                 int64_t num_slots, const int64_t *slots, int64_t num_tokens,
+                                 int64_t width);
+typedef void (*decode16_fn)(const float *q, int64_t q_stride, const uint16_t *k_cache,
+                            const uint16_t *v_cache, const int64_t *tables,
+                            int64_t table_stride, const int32_t *seq_lens, float *out,
+                            int64_t out_stride, int num_seqs, int heads, int kv_heads,
+                            int head_dim, int block_size, float scale, int window,
+                            int num_threads);
 
 /* cpu_ops.c add_rms_norm_f32, rope_f32; cpu_quant.c quant_matmul_packed, quant_mlp_packed;
- * cpu_decode.c write_kv_f32, paged_decode_f32 */
+ * cpu_decode.c's KV write and decode for float32 pools, and for float16 pools where the
+ * caller has them (NULL otherwise) */
 typedef struct {
     norm_fn add_rms_norm;
     rope_fn rope;
@@ -43,12 +55,15 @@ typedef struct {
     mlp_fn mlp;
     write_kv_fn write_kv;
     decode_fn decode;
+    write_kv16_fn write_kv_f16;
+    decode16_fn decode_f16;
 } Kernels;
 
 typedef struct {
     int64_t hidden, inter, heads, kv_heads, head_dim, block_size, num_slots;
     float eps, scale;
     int numerics, act; /* cpu_quant.c's: 0 a32, 1 a8; 0 silu, 1 gelu_tanh */
+    int kv_f16;        /* the pools hold float16 bits */
 } Shape;
 
 /* One layer's weights (packed tiles, ggml type ids) and KV pools [num_slots, kv_heads, D]. */
@@ -56,8 +71,35 @@ typedef struct {
     const float *input_norm, *post_norm;
     const uint8_t *qkv, *o, *gate_up, *down;
     int64_t qkv_type, o_type, gate_up_type, down_type;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache; /* float or uint16_t (kv_f16) */
 } Layer;
+
+static int64_t write_kv(const Kernels *k, const Shape *s, const Layer *L, const float *key,
+                        int64_t key_stride, const float *value, int64_t value_stride,
+                        const int64_t *slots, int64_t rows)
+{
+    const int64_t width = s->kv_heads * s->head_dim;
+    if (s->kv_f16)
+        return k->write_kv_f16(key, key_stride, value, value_stride, L->k_cache, L->v_cache,
+                               s->num_slots, slots, rows, width);
+    return k->write_kv(key, key_stride, value, value_stride, L->k_cache, L->v_cache,
+                       s->num_slots, slots, rows, width);
+}
+
+static void decode(const Kernels *k, const Shape *s, const Layer *L, const float *q,
+                   int64_t q_stride, const int64_t *tables, int64_t table_stride,
+                   const int32_t *seq_lens, float *out, int64_t out_stride, int64_t rows,
+                   int num_threads)
+{
+    if (s->kv_f16)
+        k->decode_f16(q, q_stride, L->k_cache, L->v_cache, tables, table_stride, seq_lens, out,
+                      out_stride, (int)rows, (int)s->heads, (int)s->kv_heads, (int)s->head_dim,
+                      (int)s->block_size, s->scale, 0, num_threads);
+    else
+        k->decode(q, q_stride, L->k_cache, L->v_cache, tables, table_stride, seq_lens, out,
+                  out_stride, (int)rows, (int)s->heads, (int)s->kv_heads, (int)s->head_dim,
+                  (int)s->block_size, s->scale, 0, num_threads);
+}
 
 /* x [rows, hidden]: the embedded tokens; out [rows, hidden]: the final norm of the last
  * layer's hidden state. positions, slots [rows]; tables [rows, table_stride] block ids;
@@ -72,6 +114,8 @@ int fused_decode_stack(const Kernels *k, const Shape *s, const Layer *layers, in
     const int64_t H = s->hidden, D = s->head_dim, M = rows;
     const int64_t nq = s->heads * D, nkv = s->kv_heads * D;
     const int64_t nqkv = nq + 2 * nkv, nqk = nq + nkv;
+    if (s->kv_f16 && !(k->write_kv_f16 && k->decode_f16))
+        return -1;
     /* residual stream, layer output, normed input, qkv, rotated q|k, attention, O product */
     float *buf = malloc(sizeof(float) * (size_t)(M * (4 * H + nqkv + nqk + nq)));
     if (!buf)
@@ -92,14 +136,11 @@ int fused_decode_stack(const Kernels *k, const Shape *s, const Layer *layers, in
         }
         k->rope(qkv, nqkv, positions, cos_t, sin_t, qk, M, s->heads + s->kv_heads, D,
                 num_threads);
-        if (k->write_kv(qk + nq, nqk, qkv + nqk, nqkv, L->k_cache, L->v_cache, s->num_slots,
-                        slots, M, nkv)) {
+        if (write_kv(k, s, L, qk + nq, nqk, qkv + nqk, nqkv, slots, M)) {
             rc = -2;
             break;
         }
-        k->decode(qk, nqk, L->k_cache, L->v_cache, tables, table_stride, seq_lens, attn, nq,
-                  (int)M, (int)s->heads, (int)s->kv_heads, (int)D, (int)s->block_size,
-                  s->scale, 0, num_threads);
+        decode(k, s, L, qk, nqk, tables, table_stride, seq_lens, attn, nq, M, num_threads);
         if (k->matmul((int)L->o_type, L->o, H, nq, attn, nq, M, o, H, s->numerics,
                       num_threads)) {
             rc = -1;

@@ -22,16 +22,23 @@ NUMERICS = {"a32": 0, "a8": 1}
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
+# The KV pool dtypes the driver takes, each with cpu_decode.c's (KV write, decode) entry
+# points and the driver's slots for them. NOTE: float16 pools (issue-18b's write_kv_f16 and
+# paged_decode_f16, the f32 functions' arguments over uint16_t pools) are one more entry:
+#   torch.float16: (("write_kv_f16", "paged_decode_f16"), ("write_kv_f16", "decode_f16"))
+KV_ENTRY_POINTS = {torch.float32: (("write_kv_f32", "paged_decode_f32"), ("write_kv", "decode"))}
+
+
 class _Kernels(ctypes.Structure):
     _fields_ = [(n, _ptr) for n in ("add_rms_norm", "rope", "matmul", "mlp", "write_kv",
-                                     "decode")]
+                                     "decode", "write_kv_f16", "decode_f16")]
 
 
 class _Shape(ctypes.Structure):
     _fields_ = [*[(n, _i64) for n in ("hidden", "inter", "heads", "kv_heads", "head_dim",
                                       "block_size", "num_slots")],
                 ("eps", _f32), ("scale", _f32), ("numerics", ctypes.c_int),
-                ("act", ctypes.c_int)]
+                ("act", ctypes.c_int), ("kv_f16", ctypes.c_int)]
 
 
 class _Layer(ctypes.Structure):
@@ -75,8 +82,10 @@ def available() -> bool:
             return ctypes.cast(f, _ptr).value
 
         _kernels = _Kernels(addr(ops.add_rms_norm_f32), addr(ops.rope_f32),
-                            addr(quant.quant_matmul_packed), addr(quant.quant_mlp_packed),
-                            addr(decode.write_kv_f32), addr(decode.paged_decode_f32))
+                            addr(quant.quant_matmul_packed), addr(quant.quant_mlp_packed))
+        for (write, attend), (write_slot, attend_slot) in KV_ENTRY_POINTS.values():
+            setattr(_kernels, write_slot, addr(getattr(decode, write)))
+            setattr(_kernels, attend_slot, addr(getattr(decode, attend)))
         _lib = lib
     return _lib is not None
 
@@ -134,8 +143,9 @@ class DecodeStack:
         self.num_layers, self.hidden = len(layers), hidden
 
     def caches_fit(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """float32 contiguous pools [blocks, block_size, kv_heads, head_dim], one per layer, of
-        one shape, in sizes the decode kernel takes (kernels/cpu_backend.py's limits)."""
+        """Contiguous CPU pools [blocks, block_size, kv_heads, head_dim] of a dtype in
+        KV_ENTRY_POINTS, one per layer, of one shape and dtype, in sizes the decode kernel
+        takes (kernels/cpu_backend.py's limits)."""
         if kv_caches is self._caches:
             return True
         if self._checked is not None and self._checked[0] is kv_caches:
@@ -150,12 +160,12 @@ class DecodeStack:
         s = self._shape
         if len(kv_caches) < self.num_layers:
             return False
-        shape = kv_caches[0][0].shape
+        shape, dtype = kv_caches[0][0].shape, kv_caches[0][0].dtype
         group = s.heads // s.kv_heads
         return (len(shape) == 4 and tuple(shape[2:]) == (s.kv_heads, s.head_dim)
-                and shape[1] <= MAX_BLOCK and group <= MAX_GROUP
-                and group * s.head_dim <= MAX_ROWS
-                and all(c.dtype == torch.float32 and c.device.type == "cpu"
+                and dtype in KV_ENTRY_POINTS and shape[1] <= MAX_BLOCK
+                and group <= MAX_GROUP and group * s.head_dim <= MAX_ROWS
+                and all(c.dtype == dtype and c.device.type == "cpu"
                         and c.is_contiguous() and c.shape == shape
                         for pair in kv_caches[: self.num_layers] for c in pair))
 
@@ -166,6 +176,7 @@ class DecodeStack:
         for row, (k, v) in zip(self._table, kv_caches, strict=False):
             row.k_cache, row.v_cache = k.data_ptr(), v.data_ptr()
         shape = kv_caches[0][0].shape
+        self._shape.kv_f16 = kv_caches[0][0].dtype == torch.float16
         self._shape.block_size = shape[1]
         self._shape.num_slots = shape[0] * shape[1]
         self._caches = kv_caches

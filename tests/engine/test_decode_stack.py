@@ -60,25 +60,26 @@ def _forward(model, caches, meta, ids, positions, backend=cpu_backend, num_layer
         return model(ids, positions, num_layers=num_layers)
 
 
-def _random_state(runner, gen) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen))
-            for k, v in runner.kv_caches]
+def _random_state(runner, gen, dtype=torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.randn(k.shape, generator=gen).to(dtype),
+             torch.randn(v.shape, generator=gen).to(dtype)) for k, v in runner.kv_caches]
 
 
 def _copy(caches):
     return [(k.clone(), v.clone()) for k, v in caches]
 
 
+@pytest.mark.parametrize("kv_dtype", list(cpu_fused.KV_ENTRY_POINTS))
 @pytest.mark.parametrize("lens", [[1], [40], [1, 17, 40, 100], [16, 33, 250, 2, 64, 5, 129]])
-def test_stack_equals_the_per_layer_path(llm, lens):
-    """Same model, same KV state: the same hidden states and KV writes. NOTE: tolerance 0:
-    the driver calls the per-layer path's own kernels with the same arguments (seen bit-equal
-    for a32 and a8)."""
+def test_stack_equals_the_per_layer_path(llm, lens, kv_dtype):
+    """Same model, same KV state: the same hidden states and KV writes, for each pool dtype
+    the driver takes. NOTE: tolerance 0: the driver calls the per-layer path's own kernels
+    with the same arguments (seen bit-equal for a32 and a8)."""
     runner = llm.engine.runner
     model, stack = runner.model, runner.model.decode_stack
     assert stack is not None
     gen = torch.Generator().manual_seed(len(lens))
-    state = _random_state(runner, gen)
+    state = _random_state(runner, gen, kv_dtype)
     ids, positions, meta = _batch(lens, [1] * len(lens), runner.block_size, gen)
     for num_layers in (None, 1):  # all layers, and the self draft's first layer
         calls = stack.calls
@@ -108,8 +109,10 @@ def test_steps_the_stack_does_not_take_fall_back(llm):
     _forward(model, _copy(state), mixed[2], *mixed[:2])
     decode = _batch([20, 9], [1, 1], runner.block_size, gen)
     _forward(model, _copy(state), decode[2], *decode[:2], backend=torch_backend)
-    for dtype in (torch.float8_e4m3fn, torch.float16):
-        assert not stack.kernel.caches_fit([(k.to(dtype), v.to(dtype)) for k, v in state])
+    for dtype in (torch.float8_e4m3fn, torch.float16, torch.bfloat16):
+        fit = stack.kernel.caches_fit([(k.to(dtype), v.to(dtype)) for k, v in state])
+        assert fit == (dtype in cpu_fused.KV_ENTRY_POINTS)
+    assert not stack.kernel.caches_fit(state[:1])  # fewer pools than layers
     wide = _batch([3] * 65, [1] * 65, runner.block_size, gen)
     with forward_context(ForwardContext(wide[2], state, cpu_backend)):
         assert not stack.fits(torch.zeros(65, model.cfg.hidden_size), wide[1], None)
