@@ -2,7 +2,7 @@
 decoder stack (engine/models/fused_stack.py), both in the same run, for each numerics.
 
     python -m bench.decode_stack [--numerics a8,a32] [--rounds 3] [--prompt-len 128]
-                                 [--output-len 128] [--rows 1]
+                                 [--output-len 128] [--rows 1] [--kv-cache-dtype auto]
 
 Each round runs `--rows` greedy requests (`ignore_eos`) to completion once per path, the paths
 alternating round by round so drift hits both; a step's time is one `engine.step()` (schedule,
@@ -42,8 +42,10 @@ def _decode_steps(llm: LLM, prompts: list[list[int]], output_len: int,
     return times[1:], list(tokens.values())
 
 
-def measure(numerics: str, rounds: int, prompt_len: int, output_len: int, rows: int) -> dict:
-    llm = LLM(None, quantization="gguf", quantization_numerics=numerics, kv_cache_space=0.25)
+def measure(numerics: str, rounds: int, prompt_len: int, output_len: int, rows: int,
+            kv_cache_dtype: str = "auto") -> dict:
+    llm = LLM(None, quantization="gguf", quantization_numerics=numerics, kv_cache_space=0.25,
+              kv_cache_dtype=kv_cache_dtype)
     model = llm.engine.runner.model
     stack = model.decode_stack
     if stack is None:
@@ -78,12 +80,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rows", type=int, default=1, help="concurrent requests (decode rows)")
+    p.add_argument("--kv-cache-dtype", default="auto")
     args = p.parse_args(argv)
-    print(f"bundled GGUF, {args.rows} row(s), {args.prompt_len}-token prompt, "
+    print(f"bundled GGUF, {args.rows} row(s), KV {args.kv_cache_dtype}, "
+          f"{args.prompt_len}-token prompt, "
           f"{args.output_len} greedy tokens; median ms per decode step over {args.rounds} "
           "rounds")
     for numerics in args.numerics.split(","):
-        r = measure(numerics, args.rounds, args.prompt_len, args.output_len, args.rows)
+        r = measure(numerics, args.rounds, args.prompt_len, args.output_len, args.rows,
+                    args.kv_cache_dtype)
         print(f"{numerics:>4}: per-layer {r['per_layer_ms']:.2f} ms, fused {r['fused_ms']:.2f} "
               f"ms: {r['speedup']:.2f}x; tokens equal: {r['tokens_equal']}; rounds "
               f"{r['rounds_ms']}")
