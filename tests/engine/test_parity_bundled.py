@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from kernels import cpu_quant
 
 MAX_NEW = 24
 LENGTHS = [1, 5, 17, 32, 64, 100, 181, 300]
@@ -156,6 +157,10 @@ def test_greedy_parity_with_hf(options, prompts, hf_reference, llm_factory):
         assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap == 0
     else:
         assert stats.num_preemptions == 0
+    stack = llm.engine.runner.model.decode_stack
+    if (llm.engine.quantization == "gguf" and llm.engine.attention_backend == "cpu"
+            and cpu_quant.isa_supported("avx512") and "speculative_method" not in options):
+        assert stack is not None and stack.calls > 0  # NOTE: the one-call decode stack ran
     if "speculative_method" in options:
         assert stats.spec_verify_steps > 0
         if options["speculative_method"] == "ngram":  # the prompts repeat one passage
