@@ -2,9 +2,10 @@
 Llama-layout models whose projections are all packed quantized layers.
 
 `DecodeStack.build(model)` says whether a model qualifies (else None: its layers always run
-one by one); `fits` decides per step (every row one token, float32 KV pools, the `cpu`
-attention backend), and the per-layer path runs whatever it does not take: prefill and mixed
-steps, speculative verification, FP8 or float16 caches, the torch backend.
+one by one); `fits` decides per step (every row one token, KV pools of a dtype the driver
+takes: kernels/cpu_fused.py's KV_ENTRY_POINTS, the `cpu` attention backend), and the
+per-layer path runs whatever it does not take: prefill and mixed steps, speculative
+verification, the FP8 cache, the torch backend.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class DecodeStack:
 
     def fits(self, x: torch.Tensor, positions: torch.Tensor, num_layers: int | None) -> bool:
         """This step's batch: plain decodes only (one token per sequence, at most
-        PREFILL_ROWS rows, the products' decode path), float32 tensors and pools the
-        kernels index, the `cpu` backend."""
+        PREFILL_ROWS rows, the products' decode path), tensors and pools the kernels
+        index, the `cpu` backend."""
         ctx = get_forward_context()
         meta = ctx.attn_metadata
         rows = x.shape[0]
