@@ -154,3 +154,35 @@ def test_quant_linear_prefill_path_matches_kernel():
                      x.double() @ dense.data.double().T], 1) + layer.bias.double()
     torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(layer(x[:3]).double(), ref[:3], rtol=1e-5, atol=1e-4)
+
+
+def test_a8_packed_layers_keep_the_integer_kernel_past_prefill_rows():
+    """In a8 a packed layer multiplies any row count in the integer kernel (no expansion):
+    each row is quantized on its own, so 150 rows at once equal the rows one at a time, bit
+    for bit, and stay within a8's error of the float64 product. The one-call MLP too."""
+    from engine.models import quant_linear
+    from engine.models.quant_linear import QuantMLP, quantize_q8_0
+
+    c_build.require_isa("avx512", cpu_quant.isa_supported("avx512"))
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=gen) * 0.1
+    q = quantize_q8_0(w)
+    layer = QuantLinear([q], None, "a8")
+    assert layer.parts[0].packed
+    rows = quant_linear.PREFILL_ROWS * 2 + 22
+    x = torch.randn(rows, 64, generator=gen)
+    y = layer(x)
+    one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(y, one_by_one)
+    ref = x.double() @ cpu_quant.dequantize_rows(q.data, 8, 64).double().T
+    err = (y.double() - ref).abs().max().item()
+    # NOTE: int8 activations: |x - q dx| <= dx / 2 = max|x| / 254 per 32 values
+    assert 0 < err < 0.02 * ref.abs().max().item()
+    gate_up = QuantLinear([quantize_q8_0(torch.randn(128, 64, generator=gen) * 0.1)], None, "a8")
+    down = QuantLinear([quantize_q8_0(torch.randn(64, 64, generator=gen) * 0.1)], None, "a8")
+    mlp = QuantMLP(gate_up, down, "silu")
+    assert mlp.fits(x)
+    assert torch.equal(mlp(x), torch.cat([mlp(x[i : i + 1]) for i in range(rows)]))
+    a32 = QuantMLP(QuantLinear(gate_up.parts, None, "a32"), QuantLinear(down.parts, None, "a32"),
+                   "silu")
+    assert not a32.fits(x)  # a32 keeps expand + GEMM past PREFILL_ROWS
