@@ -16,12 +16,12 @@ dequantized model's product up to summation order) or `a8` (activations quantize
 chunks) expand tiles of weights to float32 once and multiply them with torch's GEMM: the
 fastest measured a32 path there. In a8, packed layers keep the integer kernel at every row
 count (1.6-2.5x torch's float32 GEMM from 64 to 2048 rows, where expanding and GEMM is
-0.9-1.1x; `packed_rows_limit`); raw blocks expand past PREFILL_ROWS in both. On AVX-512 VNNI, Q4_0/Q4_1/Q8_0 parts are repacked into
-16-feature tiles (QuantWeight.pack), where a8 is 2.5x a32 at one row (576 -> 3072 Q4_1, two
-threads: 0.020 against 0.049 ms) and 1.6x per decoded token on SmolLM2-135M (8.95 against
-14.2 ms). The default is still a32: it equals `--quantization none` (and HF) token for token,
-as every mode must; a8 agrees with HF for 19, 6, 2, 24, 24, 24, 24, 24 of 24 tokens on the
-parity prompts (bench/RESULTS.md).
+0.9-1.1x; `packed_rows_limit`); raw blocks expand past PREFILL_ROWS in both. On AVX-512
+VNNI, Q4_0/Q4_1/Q8_0 parts are repacked into 16-feature tiles (QuantWeight.pack), where a8
+is 2.5x a32 at one row (576 -> 3072 Q4_1, two threads: 0.020 against 0.049 ms) and 1.6x per
+decoded token on SmolLM2-135M (8.95 against 14.2 ms). The default is still a32: it equals
+`--quantization none` (and HF) token for token, as every mode must; a8 agrees with HF for
+19, 6, 2, 24, 24, 24, 24, 24 of 24 tokens on the parity prompts (bench/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ from __future__ import annotations
 import c_build
 import pytest
 import torch
-from tiny_llama import build_tiny_llama
 from tiny_quant_gguf import write_tiny_gguf
 
 from engine import LLM, SamplingParams
@@ -30,13 +29,6 @@ PROMPTS = [[1, 422, 3110, 2706], [1] + list(range(300, 340)), [5, 6, 7]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
 SMALL = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
-
-
-@pytest.fixture(scope="module")
-def wide_model_dir(tmp_path_factory, bundled_tokenizer_dir):
-    """Widths that are multiples of 256, for the K-quants' super-blocks."""
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-wide"), bundled_tokenizer_dir,
-                            hidden_size=256, intermediate_size=512)
 
 
 def _run(path, tok_dir, **options):
