@@ -12,14 +12,16 @@ its own into its slice of the output.
 
 Numerics (`--quantization-numerics`): `a32` (weights expanded to float32 in registers, the
 dequantized model's product up to summation order) or `a8` (activations quantized to int8 per
-32 values, integer dot products). Products of more than PREFILL_ROWS rows (prefill chunks)
-expand tiles of weights to float32 once and multiply them with torch's GEMM in either mode:
-the fastest measured path there. On AVX-512 VNNI, Q4_0/Q4_1/Q8_0 parts are repacked into
-16-feature tiles (QuantWeight.pack), where a8 is 2.5x a32 at one row (576 -> 3072 Q4_1, two
-threads: 0.020 against 0.049 ms) and 1.6x per decoded token on SmolLM2-135M (8.95 against
-14.2 ms). The default is still a32: it equals `--quantization none` (and HF) token for token,
-as every mode must; a8 agrees with HF for 19, 6, 2, 24, 24, 24, 24, 24 of 24 tokens on the
-parity prompts (bench/RESULTS.md).
+32 values, integer dot products). In a32, products of more than PREFILL_ROWS rows (prefill
+chunks) expand tiles of weights to float32 once and multiply them with torch's GEMM: the
+fastest measured a32 path there. In a8, packed layers keep the integer kernel at every row
+count (1.6-2.5x torch's float32 GEMM from 64 to 2048 rows, where expanding and GEMM is
+0.9-1.1x; `packed_rows_limit`); raw blocks expand past PREFILL_ROWS in both. On AVX-512
+VNNI, Q4_0/Q4_1/Q8_0 parts are repacked into 16-feature tiles (QuantWeight.pack), where a8
+is 2.5x a32 at one row (576 -> 3072 Q4_1, two threads: 0.020 against 0.049 ms) and 1.6x per
+decoded token on SmolLM2-135M (8.95 against 14.2 ms). The default is still a32: it equals
+`--quantization none` (and HF) token for token, as every mode must; a8 agrees with HF for
+19, 6, 2, 24, 24, 24, 24, 24 of 24 tokens on the parity prompts (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ NUMERICS = ("a32", "a8")
 PREFILL_ROWS = 64
 TILE_FEATURES = 2048  # output features expanded per GEMM tile in the prefill path
 Q8_0 = 8
+# NOTE: packed a8 against float32 F.linear, two threads, 576 -> 3072 Q4_1: 2.5/2.0/2.1/1.8/
+# 1.75/1.7x at 64/128/256/512/1024/2048 rows; expanding tiles + GEMM there: 0.8-0.95x of
+# F.linear (2026-12-01, /tmp bench of QuantLinear). So a8 never expands packed tiles.
+_UNLIMITED = 1 << 62
+
+
+def packed_rows_limit(numerics: str) -> int:
+    """The most rows a product runs in the packed kernel for; more expand tiles + GEMM."""
+    return PREFILL_ROWS if numerics == "a32" else _UNLIMITED
 
 
 @dataclass
@@ -101,6 +112,7 @@ class QuantLinear(nn.Module):
         # NOTE: not Parameters or buffers: to_empty() must not replace them
         self.parts = [p.pack() for p in _merge_same_type(parts)]
         self.numerics = numerics
+        self._rows_limit = packed_rows_limit(numerics)
         self.bias = None if bias is None else bias.detach().float()
         one = self.parts[0]
         self._product = cpu_quant.PackedProduct(one.data, one.type_id, one.rows, one.cols,
@@ -116,7 +128,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if (self._product is not None and x.dtype == torch.float32 and x.is_contiguous()
-                and x.numel() <= PREFILL_ROWS * self.in_features):
+                and x.numel() <= self._rows_limit * self.in_features):
             # NOTE: the decode-sized fast path: one packed part, no bias, no copies
             x2 = x.view(-1, self.in_features)
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
@@ -133,7 +145,7 @@ class QuantLinear(nn.Module):
             dst = out[:, start : start + p.rows]
             if p.type_id is None:
                 dst.copy_(F.linear(x2, p.data))
-            elif p.packed and rows > PREFILL_ROWS:
+            elif p.packed and rows > self._rows_limit:
                 tiles = TILE_FEATURES // 16
                 for t0 in range(0, (p.rows + 15) // 16, tiles):
                     n0, n = 16 * t0, min(TILE_FEATURES, p.rows - 16 * t0)
@@ -178,7 +190,8 @@ def _merge_same_type(parts: list[QuantWeight]) -> list[QuantWeight]:
 
 class QuantMLP(nn.Module):
     """An MLP's gate/up and down products and its activation in one kernel call
-    (cpu_quant.PackedMLP) for up to PREFILL_ROWS rows; the MLP keeps its own path otherwise.
+    (cpu_quant.PackedMLP) for up to `packed_rows_limit` rows (any count in a8); the MLP keeps
+    its own path otherwise.
     NOTE: one call instead of two products and three torch ops per layer: 30-40 us of a
     decode step's per-layer overhead on SmolLM2-135M."""
 
@@ -188,6 +201,7 @@ class QuantMLP(nn.Module):
         self.gate_up, self.down = gu, dn  # packed [2 inter, hidden] (gate first), [hidden, inter]
         self.act, self.numerics = act, gate_up.numerics
         self.hidden, self.inter = down.out_features, down.in_features
+        self._rows_limit = packed_rows_limit(gate_up.numerics)
         self._mlp = cpu_quant.PackedMLP(gu.data, gu.type_id, dn.data, dn.type_id, self.hidden,
                                         down.in_features, gate_up.numerics, act)
 
@@ -198,7 +212,7 @@ class QuantMLP(nn.Module):
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.dtype == torch.float32 and x.is_contiguous()
-                and 0 < x.numel() <= PREFILL_ROWS * self.hidden)
+                and 0 < x.numel() <= self._rows_limit * self.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import c_build
 import pytest
 import torch
-from tiny_llama import build_tiny_llama
 from tiny_quant_gguf import write_tiny_gguf
 
 from engine import LLM, SamplingParams
@@ -30,13 +29,6 @@ PROMPTS = [[1, 422, 3110, 2706], [1] + list(range(300, 340)), [5, 6, 7]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
 SMALL = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
-
-
-@pytest.fixture(scope="module")
-def wide_model_dir(tmp_path_factory, bundled_tokenizer_dir):
-    """Widths that are multiples of 256, for the K-quants' super-blocks."""
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-wide"), bundled_tokenizer_dir,
-                            hidden_size=256, intermediate_size=512)
 
 
 def _run(path, tok_dir, **options):
@@ -158,3 +150,35 @@ def test_quant_linear_prefill_path_matches_kernel():
                      x.double() @ dense.data.double().T], 1) + layer.bias.double()
     torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(layer(x[:3]).double(), ref[:3], rtol=1e-5, atol=1e-4)
+
+
+def test_a8_packed_layers_keep_the_integer_kernel_past_prefill_rows():
+    """In a8 a packed layer multiplies any row count in the integer kernel (no expansion):
+    each row is quantized on its own, so 150 rows at once equal the rows one at a time, bit
+    for bit, and stay within a8's error of the float64 product. The one-call MLP too."""
+    from engine.models import quant_linear
+    from engine.models.quant_linear import QuantMLP, quantize_q8_0
+
+    c_build.require_isa("avx512", cpu_quant.isa_supported("avx512"))
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=gen) * 0.1
+    q = quantize_q8_0(w)
+    layer = QuantLinear([q], None, "a8")
+    assert layer.parts[0].packed
+    rows = quant_linear.PREFILL_ROWS * 2 + 22
+    x = torch.randn(rows, 64, generator=gen)
+    y = layer(x)
+    one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(y, one_by_one)
+    ref = x.double() @ cpu_quant.dequantize_rows(q.data, 8, 64).double().T
+    err = (y.double() - ref).abs().max().item()
+    # NOTE: int8 activations: |x - q dx| <= dx / 2 = max|x| / 254 per 32 values
+    assert 0 < err < 0.02 * ref.abs().max().item()
+    gate_up = QuantLinear([quantize_q8_0(torch.randn(128, 64, generator=gen) * 0.1)], None, "a8")
+    down = QuantLinear([quantize_q8_0(torch.randn(64, 64, generator=gen) * 0.1)], None, "a8")
+    mlp = QuantMLP(gate_up, down, "silu")
+    assert mlp.fits(x)
+    assert torch.equal(mlp(x), torch.cat([mlp(x[i : i + 1]) for i in range(rows)]))
+    a32 = QuantMLP(QuantLinear(gate_up.parts, None, "a32"), QuantLinear(down.parts, None, "a32"),
+                   "silu")
+    assert not a32.fits(x)  # a32 keeps expand + GEMM past PREFILL_ROWS

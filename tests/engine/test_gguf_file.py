@@ -1,0 +1,51 @@
+"""engine/models/gguf_file.py against the `gguf` package's GGUFReader: the same fields and the
+same tensors (name, type, ggml shape, numpy dtype, shape and bytes) on the bundled model and
+on tiny files of every block type the engine reads."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from tiny_quant_gguf import write_tiny_gguf
+
+from engine.models.gguf_file import GGUFFile
+from ipc.model_source import bundled_gguf
+
+
+def _same_as_gguf_reader(path) -> GGUFFile:
+    ours, ref = GGUFFile(path), gguf.GGUFReader(str(path))
+    # NOTE: GGUFReader adds the header's counts as GGUF.* fields
+    header = {k: ref.fields.pop(k).contents() for k in list(ref.fields) if k.startswith("GGUF.")}
+    assert header == {"GGUF.version": ours.version, "GGUF.tensor_count": len(ours.tensors),
+                      "GGUF.kv_count": len(ours.fields)}
+    assert set(ours.fields) == set(ref.fields)
+    for key, field in ref.fields.items():
+        assert ours.fields[key] == field.contents(), key
+    assert len(ours.tensors) == len(ref.tensors)
+    for t, r in zip(ours.tensors, ref.tensors, strict=True):
+        assert (t.name, t.tensor_type, t.shape) == (r.name, r.tensor_type, tuple(r.shape))
+        assert t.data.dtype == r.data.dtype and t.data.shape == r.data.shape, t.name
+        assert np.array_equal(t.data.view(np.uint8), r.data.view(np.uint8)), t.name
+        assert not t.data.flags.writeable
+    return ours
+
+
+def test_bundled_model_reads_as_gguf_reader_does():
+    f = _same_as_gguf_reader(bundled_gguf())
+    assert len(f.fields["tokenizer.ggml.tokens"]) == 49152
+
+
+@pytest.mark.parametrize("type_name", ["F16", "Q4_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_tiny_files_read_as_gguf_reader_does(type_name, wide_model_dir, tmp_path):
+    _same_as_gguf_reader(write_tiny_gguf(wide_model_dir, tmp_path / "t.gguf", type_name))
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GGUFFile(bad)
+    bad.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(60))
+    with pytest.raises(ValueError, match="version 1"):
+        GGUFFile(bad)
