@@ -15,8 +15,8 @@ dequantized model's product up to summation order) or `a8` (activations quantize
 32 values, integer dot products). In a32, products of more than PREFILL_ROWS rows (prefill
 chunks) expand tiles of weights to float32 once and multiply them with torch's GEMM: the
 fastest measured a32 path there. In a8, packed layers keep the integer kernel at every row
-count (1.6-2.5x torch's float32 GEMM from 64 to 2048 rows, where expanding and GEMM is
-0.9-1.1x; `packed_rows_limit`); raw blocks expand past PREFILL_ROWS in both. On AVX-512
+count (1.4-3.0x torch's float32 GEMM from 64 to 2048 rows, where expanding and GEMM is
+0.86-0.89x of it; `packed_rows_limit`); raw blocks expand past PREFILL_ROWS in both. On AVX-512
 VNNI, Q4_0/Q4_1/Q8_0 parts are repacked into 16-feature tiles (QuantWeight.pack), where a8
 is 2.5x a32 at one row (576 -> 3072 Q4_1, two threads: 0.020 against 0.049 ms) and 1.6x per
 decoded token on SmolLM2-135M (8.95 against 14.2 ms). The default is still a32: it equals
@@ -46,9 +46,10 @@ NUMERICS = ("a32", "a8")
 PREFILL_ROWS = 64
 TILE_FEATURES = 2048  # output features expanded per GEMM tile in the prefill path
 Q8_0 = 8
-# NOTE: packed a8 against float32 F.linear, two threads, 576 -> 3072 Q4_1: 2.5/2.0/2.1/1.8/
-# 1.75/1.7x at 64/128/256/512/1024/2048 rows; expanding tiles + GEMM there: 0.8-0.95x of
-# F.linear (2026-12-01, /tmp bench of QuantLinear). So a8 never expands packed tiles.
+# NOTE: `python -m bench.quant_products`, two threads: packed a8 against F.linear on the
+# float32 weights, 576 -> 3072 Q4_1: 3.0/1.9/1.6x at 64/512/2048 rows (1536 -> 576: 2.3/1.8/
+# 1.4x); expanding tiles + GEMM there is 0.86-0.89x of F.linear. So a8 never expands packed
+# tiles; a32's kernel (1.1-2.3x slower than F.linear from 64 rows) does.
 _UNLIMITED = 1 << 62
 
 
