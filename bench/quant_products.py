@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -61,12 +62,11 @@ def main(argv: list[str] | None = None) -> None:
                 continue  # NOTE: the head multiplies one row per sequence, not prefill chunks
             x = torch.randn(m, k, generator=gen)
             reps = 15 if m <= 64 else 5
-            a8 = best_ms(lambda: cpu_quant.packed_matmul(x, packed.data, type_id, n, k, "a8"),
-                         reps)
-            a32 = best_ms(lambda: cpu_quant.packed_matmul(x, packed.data, type_id, n, k, "a32"),
-                          reps)
-            exp = best_ms(lambda: expand(x), reps) if m > 64 else float("nan")
-            f32 = best_ms(lambda: F.linear(x, dense), reps)
+            packed_ms = [best_ms(partial(cpu_quant.packed_matmul, x, packed.data, type_id, n,
+                                         k, numerics), reps) for numerics in ("a8", "a32")]
+            a8, a32 = packed_ms
+            exp = best_ms(partial(expand, x), reps) if m > 64 else float("nan")
+            f32 = best_ms(partial(F.linear, x, dense), reps)
             print(f"| {k} -> {n} {type_name} | {m} | {a8:.3f} | {a32:.3f} | {exp:.3f} | "
                   f"{f32:.3f} | {f32 / a8:.2f}x |", flush=True)
 
