@@ -35,7 +35,9 @@ from kernels import auto_backend, get_backend
 if TYPE_CHECKING:
     from engine.parallel.driver import TensorParallelRunner
 
-_KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # auto: the model's dtype
+# auto: the model's dtype
+_KV_CACHE_DTYPES = {"float16": torch.float16, "half": torch.float16,
+                    "fp8_e4m3": torch.float8_e4m3fn}
 # NOTE: a pool smaller than this cannot hold a useful request: refuse to start.
 _MIN_CONTEXT_TOKENS = 16
 

@@ -173,7 +173,7 @@ def check_attention(
     seed = random.randrange(2**31) if seed is None else seed
     gen = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
-    kvd = FP8 if kv_dtype == "fp8_e4m3" else dt
+    kvd = {"fp8_e4m3": FP8, "float16": torch.float16}.get(kv_dtype, dt)
     b = make_batch(BATCHES[batch_name], kv_heads=kv_heads, group=group, head_dim=head_dim,
                    dtype=dt, kv_dtype=kvd, scales=scales, page=page, device=device, gen=gen,
                    window=window)
