@@ -213,3 +213,37 @@ def test_kv_cache_dtype_float16_is_accepted_and_others_named():
         EngineConfig(kv_cache_dtype="float64")
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-cache-dtype", "bfloat17"])
+
+
+def test_f16_cache_swap_and_copy_on_write_keep_the_tokens(tiny_model_dir):
+    """A float16 pool short of blocks (preempted by swap to a float16 CPU pool) gives the
+    tokens of a roomy one; n = 2 sharing a prompt (copy-on-write) and a repeated prompt
+    (prefix cache) too."""
+    from engine.core import EngineCore
+    from ipc.config import EngineConfig
+    from ipc.messages import AddRequest
+    from ipc.sampling import SamplingParams
+
+    prompts = [[(7 * i + j) % 40000 + 100 for i in range(30)] for j in range(3)] * 2
+    runs = []
+    for blocks in (200, 24):
+        core = EngineCore(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="float16",
+                                       num_gpu_blocks=blocks, block_size=4,
+                                       preemption_mode="swap", swap_space=0.01))
+        assert core.runner.cpu_caches[0][0].dtype == torch.float16
+        for i, p in enumerate(prompts):
+            params = SamplingParams(temperature=1.0, seed=i, max_tokens=30, ignore_eos=True,
+                                    n=2 if i == 0 else 1)
+            core.add_request(AddRequest(request_id=str(i), prompt_token_ids=p,
+                                        sampling=params))
+        out: dict[tuple[str, int], list[int]] = {}
+        for _ in range(1000):
+            if not core.has_unfinished_requests():
+                break
+            for d in core.step():
+                out.setdefault((d.request_id, d.index), []).extend(d.new_token_ids)
+        assert not core.has_unfinished_requests()
+        assert (core.scheduler.preemptions.swap > 0) == (blocks == 24)
+        assert core.kv.num_free_blocks == blocks
+        runs.append(out)
+    assert runs[0] == runs[1] and len(runs[0]) == 7
