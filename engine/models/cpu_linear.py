@@ -94,9 +94,12 @@ def resolve_mode(mode: str, model: nn.Module, device: torch.device, dtype: torch
         raise ValueError(f"cpu_linear {mode} needs a float32 model on a CPU with oneDNN")
     if mode != "auto":
         return mode
-    if not usable:
+    linears = _linears(model)
+    # NOTE: nothing to pack (a quantized model): torch, without dual's MKL probe, which
+    # pages in 14 MiB of libtorch_cpu's code that nothing else then runs
+    if not usable or not linears:
         return "torch"
-    extra = sum(m.weight.numel() * m.weight.element_size() for m in _linears(model))
+    extra = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     return "dual" if extra <= _available_bytes() / 4 else "torch"
 
 

@@ -1,7 +1,12 @@
-"""The KV pool on the CPU is committed as it is written: zeros that cost no resident memory
-until a block is written (engine.allocator.untouched_zeros), read as 0.0 before that."""
+"""The engine's resident memory: the CPU KV pool is committed as it is written (zeros that
+cost no resident memory until a block is written, engine.allocator.untouched_zeros, read as
+0.0 before that); the engine process does not import what it never uses."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -43,3 +48,32 @@ def test_engine_pool_is_resident_only_where_requests_wrote(tiny_model_dir):
     # NOTE: the requests hold a few dozen 2 KiB blocks per layer tensor (the prompt's shared
     # through the prefix cache), page-rounded: 256 KiB of the 32 MiB pool when written
     assert at_ready < used < MIB
+
+
+def test_the_engine_process_reads_gguf_without_mistral_common():
+    """`python -m engine` marks gguf's optional vocabulary backend absent; GGUF files still
+    read (the bundled model's metadata and tensors)."""
+    code = ("import sys\n"
+            "from engine.__main__ import skip_unneeded_imports\n"
+            "skip_unneeded_imports()\n"
+            "import gguf\n"
+            "from ipc.model_source import bundled_gguf\n"
+            "reader = gguf.GGUFReader(str(bundled_gguf()))\n"
+            "assert len(reader.tensors) > 200, len(reader.tensors)\n"
+            "assert sys.modules['mistral_common'] is None\n"
+            "assert 'pydantic' not in sys.modules\n")
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=120)
+
+
+def test_a_model_without_dense_linears_skips_the_packing_probes():
+    """auto packs nothing for a model with no nn.Linear (a quantized one), and does not run
+    dual's MKL probe (it pages in code nothing else runs)."""
+    from engine.models import cpu_linear
+
+    before = cpu_linear.mkl_packed_available.cache_info()
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.ReLU())
+    mode = cpu_linear.resolve_mode("auto", model, torch.device("cpu"), torch.float32)
+    assert mode == "torch"
+    cpu_linear.pack_linears(model, mode)
+    assert cpu_linear.mkl_packed_available.cache_info() == before
