@@ -11,11 +11,11 @@ Each server is started (or, for --url, taken as running), timed from start to it
 server's process tree and of its engine process (pagedserve's `-m engine` child; llama.cpp's
 server is one process) is read at ready and sampled throughout (peaks reported). For the memory
 comparison, `--kv-match` gives pagedserve's KV pool llama.cpp's context (`--n-ctx` tokens) in
-float16, as llama.cpp stores its cache by default. llama.cpp's server
-(llama-cpp-python, in its own venv) is started with `--interrupt_requests False` (otherwise a
-new request silently cuts the running one short) and kept from stopping early by a logit_bias
-on the end-of-text token, since it has no `ignore_eos`. Ratios are against llama.cpp and
-against float32 pagedserve from the same run.
+float16, as llama.cpp stores its cache by default, and no swap space (which would hold more KV).
+llama.cpp's server (llama-cpp-python, in its own venv) is started with `--interrupt_requests
+False` (otherwise a new request silently cuts the running one short) and kept from stopping
+early by a logit_bias on the end-of-text token, since it has no `ignore_eos`. Ratios are
+against llama.cpp and against float32 pagedserve from the same run.
 """
 
 from __future__ import annotations
@@ -109,9 +109,11 @@ def server_command(kind: str, model: str, port: int, args: argparse.Namespace) -
 
 
 def kv_match_args(n_ctx: int, block_size: int = 16) -> list[str]:
-    """pagedserve flags for a KV pool of llama.cpp's context: n_ctx tokens in float16."""
+    """pagedserve flags for llama.cpp's KV capacity: n_ctx tokens in float16, and no swap
+    space (on the CPU a swapped-out block is one more block in host memory: preempted
+    requests recompute instead)."""
     return ["--num-gpu-blocks", str(-(-n_ctx // block_size)), "--block-size", str(block_size),
-            "--kv-cache-dtype", "float16"]
+            "--kv-cache-dtype", "float16", "--swap-space", "0"]
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float) -> None:

@@ -46,7 +46,7 @@ def test_ratio_table_divides_by_the_peers_of_the_same_run() -> None:
 
 def test_kv_match_gives_pagedserve_llama_cpps_context_in_float16() -> None:
     assert peers.kv_match_args(4096) == ["--num-gpu-blocks", "256", "--block-size", "16",
-                                         "--kv-cache-dtype", "float16"]
+                                         "--kv-cache-dtype", "float16", "--swap-space", "0"]
     assert peers.kv_match_args(4000)[1] == "250" and peers.kv_match_args(4001)[1] == "251"
 
 
