@@ -82,6 +82,12 @@ def untouched_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> l
         return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
     # NOTE: the mapping lives as long as any tensor on it (frombuffer keeps a reference)
     region = mmap.mmap(-1, count * per, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        # NOTE: 4 KiB commits where transparent huge pages are "always" (a 2 MiB page per
+        # first write would commit most of a small pool at once), and a mapping of its own:
+        # the kernel merges adjacent anonymous mappings of equal flags (malloc's), which would
+        # hide the pool's line in /proc/self/smaps (resident_bytes)
+        region.madvise(mmap.MADV_NOHUGEPAGE)
     flat = torch.frombuffer(region, dtype=torch.uint8).view(dtype)
     return list(flat.view(count, *shape).unbind(0))
 
