@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import math
 import mmap
 import os
 import sys
@@ -74,10 +75,10 @@ def untouched_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> l
 
     NOTE: the kernel gives an untouched anonymous page as zeros (a read maps the shared zero
     page, which is not counted as resident), so every slot reads 0.0, never NaN, before its
-    first write, and RSS grows with what is written instead of with the pool's size (a
-    calloc'd pool would be the same until something memsets it; torch.zeros does).
+    first write, and RSS grows with what is written instead of with the pool's size
+    (torch.zeros writes every page at once).
     """
-    per = dtype.itemsize * _numel(shape)
+    per = dtype.itemsize * math.prod(shape)
     if count * per == 0:
         return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
     # NOTE: the mapping lives as long as any tensor on it (frombuffer keeps a reference)
@@ -108,10 +109,3 @@ def resident_bytes(tensor: torch.Tensor) -> int:
         elif inside and head == "Rss:":
             return int(line.split()[1]) * 1024
     return 0
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -270,7 +270,7 @@ def _caches(cfg, num_blocks: int, block_size: int, num_cpu_blocks: int, dtype: t
     # On the CPU the zeros are untouched anonymous pages (engine/allocator.py): resident as
     # they are written, so an idle or lightly used pool costs no memory. The first write of
     # each 4 KiB page pays a fault (about 2.3 us here: 0.9 ms per 1.5 MiB layer tensor), i.e.
-    # about 1.6 ms per 128-token prompt on the bundled model, spread over the steps.
+    # about 1.6 ms per 128-token prompt on the bundled model's float16 pool, over the steps.
     if device.type == "cpu":
         pools = untouched_zeros(2 * cfg.num_layers, shape, dtype)
         gpu = list(zip(pools[0::2], pools[1::2], strict=True))

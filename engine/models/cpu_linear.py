@@ -96,7 +96,8 @@ def resolve_mode(mode: str, model: nn.Module, device: torch.device, dtype: torch
         return mode
     linears = _linears(model)
     # NOTE: nothing to pack (a quantized model): torch, without dual's MKL probe, which
-    # pages in 14 MiB of libtorch_cpu's code that nothing else then runs
+    # paged in 9 MiB of libtorch_cpu's code at ready (3 MiB after the first requests, whose
+    # prefill GEMMs run part of it anyway)
     if not usable or not linears:
         return "torch"
     extra = sum(m.weight.numel() * m.weight.element_size() for m in linears)
