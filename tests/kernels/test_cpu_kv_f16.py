@@ -247,3 +247,12 @@ def test_f16_cache_swap_and_copy_on_write_keep_the_tokens(tiny_model_dir):
         assert core.kv.num_free_blocks == blocks
         runs.append(out)
     assert runs[0] == runs[1] and len(runs[0]) == 7
+
+
+def test_flash_attn_with_another_cache_dtype_is_refused_at_start(tiny_model_dir):
+    from engine.core import EngineCore
+    from ipc.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_cache_dtype float16: the flash_attn backend"):
+        EngineCore(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="float16",
+                                attention_backend="flash_attn", num_gpu_blocks=16))
