@@ -8,6 +8,7 @@ device-to-device copy, prefill TFLOP/s against a bf16 matrix product.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -85,6 +86,9 @@ def cpu_decode(batch: int, context: int, heads: int, kv_heads: int, head_dim: in
             print(f"skip {name}: {e}")
             continue
         fns[name] = lambda mod=mod: mod.paged_attention(q, k_cache, v_cache, meta, scale)
+        if name == "cpu":  # the same cache in float16 (--kv-cache-dtype float16)
+            fns["cpu-f16"] = functools.partial(mod.paged_attention, q, k_cache.half(),
+                                               v_cache.half(), meta, scale)
     return timed_all(fns, iters)
 
 
@@ -104,14 +108,16 @@ def run_cpu(args: argparse.Namespace) -> None:
     # SmolLM2-135M's attention shape: 9 query heads, 3 KV heads, head dim 64
     print("paged decode vs SDPA over a contiguous cache (fp32, 9/3 heads, d 64, "
           f"{torch.get_num_threads()} threads); ms, and ratio to contiguous")
-    print(f"{'batch':>6} {'context':>8} {'contig':>8} {'torch':>8} {'cpu':>8} "
-          f"{'torch/contig':>13} {'cpu/contig':>11}")
+    print(f"{'batch':>6} {'context':>8} {'contig':>8} {'torch':>8} {'cpu':>8} {'cpu-f16':>8} "
+          f"{'torch/contig':>13} {'cpu/contig':>11} {'cpu/cpu-f16':>12}")
     for batch, context in ((1, 512), (1, 4096), (8, 1024), (32, 512), (64, 256)):
         t = cpu_decode(batch, context, 9, 3, 64, args.iters)
         dense = t["contiguous"]
-        cells = [f"{t.get(n, math.nan) * 1e3:>8.3f}" for n in ("contiguous", "torch", "cpu")]
+        cells = [f"{t.get(n, math.nan) * 1e3:>8.3f}"
+                 for n in ("contiguous", "torch", "cpu", "cpu-f16")]
         print(f"{batch:>6} {context:>8} {' '.join(cells)} "
-              f"{t.get('torch', math.nan) / dense:>13.2f} {t.get('cpu', math.nan) / dense:>11.2f}")
+              f"{t.get('torch', math.nan) / dense:>13.2f} {t.get('cpu', math.nan) / dense:>11.2f}"
+              f" {t.get('cpu', math.nan) / t.get('cpu-f16', math.nan):>12.2f}")
 
 
 # ---- GPU: per backend, against copy bandwidth and matmul rate ----------------------------------

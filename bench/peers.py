@@ -2,16 +2,20 @@
 
     python -m bench.peers [--model FILE.gguf] [--concurrency 1,8,64] [--servers quantized,float32,
                           llama.cpp] [--llama-cpp-python /work/peers-venv/bin/python]
-                          [--url NAME=http://host:port ...] [--out bench/results/peers.json]
+                          [--n-ctx 4096] [--kv-match] [--url NAME=http://host:port ...]
+                          [--out bench/results/peers.json]
 
 Each server is started (or, for --url, taken as running), timed from start to its first 200 on
 /v1/models (time to ready), then every concurrency runs the same completions (a 128-word prompt,
 128 output tokens, greedy, streamed) through bench/loadgen.py; the resident memory of the
-server's process tree is sampled throughout (peak reported). llama.cpp's server
-(llama-cpp-python, in its own venv) is started with `--interrupt_requests False` (otherwise a
-new request silently cuts the running one short) and kept from stopping early by a logit_bias
-on the end-of-text token, since it has no `ignore_eos`. Ratios are against llama.cpp and
-against float32 pagedserve from the same run.
+server's process tree and of its engine process (pagedserve's `-m engine` child; llama.cpp's
+server is one process) is read at ready and sampled throughout (peaks reported). For the memory
+comparison, `--kv-match` gives pagedserve's KV pool llama.cpp's context (`--n-ctx` tokens) in
+float16, as llama.cpp stores its cache by default, and no swap space (which would hold more KV).
+llama.cpp's server (llama-cpp-python, in its own venv) is started with `--interrupt_requests
+False` (otherwise a new request silently cuts the running one short) and kept from stopping
+early by a logit_bias on the end-of-text token, since it has no `ignore_eos`. Ratios are
+against llama.cpp and against float32 pagedserve from the same run.
 """
 
 from __future__ import annotations
@@ -66,8 +70,10 @@ def engine_rss(by_process: dict[str, int]) -> int:
 
 
 class RssSampler:
+    """Peaks of the process tree's RSS (`peak`) and of its engine process's (`engine_peak`)."""
+
     def __init__(self, pid: int, interval: float = 0.2) -> None:
-        self.pid, self.interval, self.peak = pid, interval, 0
+        self.pid, self.interval, self.peak, self.engine_peak = pid, interval, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -79,22 +85,35 @@ class RssSampler:
         self._stop.set()
         self._thread.join()
 
+    def sample(self) -> None:
+        by_process = process_rss(self.pid)
+        self.peak = max(self.peak, sum(by_process.values()))
+        self.engine_peak = max(self.engine_peak, engine_rss(by_process))
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, tree_rss(self.pid))
+            self.sample()
 
 
 def server_command(kind: str, model: str, port: int, args: argparse.Namespace) -> list[str]:
     if kind == "llama.cpp":
         return [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", model,
                 "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads),
-                "--n_ctx", "4096", "--interrupt_requests", "False"]
+                "--n_ctx", str(args.n_ctx), "--interrupt_requests", "False"]
     quant = {"quantized": ["--quantization", "gguf"],
              "quantized-a8": ["--quantization", "gguf", "--quantization-numerics", "a8"],
              "float32": ["--quantization", "none"]}[kind]
     return [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--num-threads", str(args.threads), *quant,
-            *args.pagedserve_args.split()]
+            *(kv_match_args(args.n_ctx) if args.kv_match else []), *args.pagedserve_args.split()]
+
+
+def kv_match_args(n_ctx: int, block_size: int = 16) -> list[str]:
+    """pagedserve flags for llama.cpp's KV capacity: n_ctx tokens in float16, and no swap
+    space (on the CPU a swapped-out block is one more block in host memory: preempted
+    requests recompute instead)."""
+    return ["--num-gpu-blocks", str(-(-n_ctx // block_size)), "--block-size", str(block_size),
+            "--kv-cache-dtype", "float16", "--swap-space", "0"]
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float) -> None:
@@ -155,11 +174,13 @@ def bench_server(kind: str, args: argparse.Namespace, url: str | None = None) ->
         by_process = process_rss(proc.pid) if proc else {}
         with RssSampler(proc.pid if proc else os.getpid()) as rss:
             points = asyncio.run(run_points(url, kind, args))
+            rss.sample()  # NOTE: the end of the last point too, whatever the interval
         return {"server": kind, "url": url, "time_to_ready_s": ready if proc else None,
                 "rss_ready_bytes": sum(by_process.values()) if proc else None,
                 "rss_peak_bytes": rss.peak if proc else None,
                 "rss_ready_by_process": by_process,
                 "engine_rss_ready_bytes": engine_rss(by_process) if proc else None,
+                "engine_rss_peak_bytes": rss.engine_peak if proc else None,
                 "points": points}
     finally:
         if proc is not None:
@@ -186,12 +207,17 @@ def ratio_table(results: list[dict]) -> list[str]:
                            if q and q["output_tokens_per_s"] else "-")
             lines.append("| " + " | ".join(row) + " |")
     lines += ["", "| server | time to ready s | RSS ready MiB (all processes) | engine RSS "
-              "ready MiB | RSS peak MiB |", "| --- | --- | --- | --- | --- |"]
+              "ready MiB | RSS peak MiB | engine RSS peak MiB | engine vs llama.cpp (ready / "
+              "peak) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    peer = by.get("llama.cpp", {})
     for r in results:
         mib = [f"{v / 2**20:.0f}" if v else "-" for v in (
-            r["rss_ready_bytes"], r.get("engine_rss_ready_bytes"), r["rss_peak_bytes"])]
+            r["rss_ready_bytes"], r.get("engine_rss_ready_bytes"), r["rss_peak_bytes"],
+            r.get("engine_rss_peak_bytes"))]
         ready = f"{r['time_to_ready_s']:.1f}" if r["time_to_ready_s"] else "-"
-        lines.append(f"| {r['server']} | {ready} | {' | '.join(mib)} |")
+        vs = " / ".join(f"{r[k] / peer[k]:.2f}x" if r.get(k) and peer.get(k) else "-"
+                        for k in ("engine_rss_ready_bytes", "engine_rss_peak_bytes"))
+        lines.append(f"| {r['server']} | {ready} | {' | '.join(mib)} | {vs} |")
     return lines
 
 
@@ -205,6 +231,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="NAME=URL of a server already running (not started, no RSS)")
     p.add_argument("--llama-cpp-python", default="/work/peers-venv/bin/python",
                    help="python of the venv with llama-cpp-python[server]")
+    p.add_argument("--n-ctx", type=int, default=4096,
+                   help="llama.cpp's context (its KV cache) in tokens")
+    p.add_argument("--kv-match", action="store_true",
+                   help="pagedserve's KV pool = llama.cpp's context, float16 (memory comparison)")
     p.add_argument("--pagedserve-args", default="",
                    help="more flags for pagedserve's servers, e.g. '--kv-cache-space 0.25'")
     p.add_argument("--concurrency", default="1,8,64")

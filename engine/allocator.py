@@ -1,4 +1,5 @@
-"""glibc malloc settings for a CPU engine: keep activation buffers in the heap between steps.
+"""Host memory for a CPU engine: glibc malloc settings that keep activation buffers in the heap
+between steps, and zeroed storage (the KV pool) that is committed only as it is written.
 
 torch allocates CPU tensors with plain malloc. By default glibc serves blocks over 128 KiB with
 a fresh mmap (its threshold only rises after the first such block is freed) and returns freed
@@ -13,8 +14,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import math
+import mmap
 import os
 import sys
+from pathlib import Path
+
+import torch
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit: blocks above it are still mmapped
@@ -61,3 +67,45 @@ def tune_malloc() -> bool:
     return all(mallopt(param, value) == 1 for param, value in (
         (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
         (M_TOP_PAD, TOP_PAD)))
+
+
+def untouched_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    """`count` contiguous zero tensors of `shape` in one private anonymous mapping, none of
+    whose pages is resident until written.
+
+    NOTE: the kernel gives an untouched anonymous page as zeros (a read maps the shared zero
+    page, which is not counted as resident), so every slot reads 0.0, never NaN, before its
+    first write, and RSS grows with what is written instead of with the pool's size
+    (torch.zeros writes every page at once).
+    """
+    per = dtype.itemsize * math.prod(shape)
+    if count * per == 0:
+        return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
+    # NOTE: the mapping lives as long as any tensor on it (frombuffer keeps a reference)
+    region = mmap.mmap(-1, count * per, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        # NOTE: 4 KiB commits where transparent huge pages are "always" (a 2 MiB page per
+        # first write would commit most of a small pool at once), and a mapping of its own:
+        # the kernel merges adjacent anonymous mappings of equal flags (malloc's), which would
+        # hide the pool's line in /proc/self/smaps (resident_bytes)
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    flat = torch.frombuffer(region, dtype=torch.uint8).view(dtype)
+    return list(flat.view(count, *shape).unbind(0))
+
+
+def resident_bytes(tensor: torch.Tensor) -> int:
+    """Resident bytes of the mapping that holds `tensor` (/proc/self/smaps; 0 off Linux)."""
+    address = tensor.data_ptr()
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return 0
+    inside = False
+    for line in lines:
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's header line: start-end ...
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    return 0

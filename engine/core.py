@@ -35,7 +35,9 @@ from kernels import auto_backend, get_backend
 if TYPE_CHECKING:
     from engine.parallel.driver import TensorParallelRunner
 
-_KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}  # auto: the model's dtype
+# auto: the model's dtype
+_KV_CACHE_DTYPES = {"float16": torch.float16, "half": torch.float16,
+                    "fp8_e4m3": torch.float8_e4m3fn}
 # NOTE: a pool smaller than this cannot hold a useful request: refuse to start.
 _MIN_CONTEXT_TOKENS = 16
 
@@ -94,6 +96,11 @@ class EngineCore:
         self.attention_backend = (auto_backend(self.device.type)
                                   if config.attention_backend == "auto"
                                   else config.attention_backend)  # the one that runs
+        if self.attention_backend == "flash_attn" and self.kv_dtype != self.dtype:
+            # NOTE: at start, not at the first request's attention call
+            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype}: the flash_attn backend "
+                             "reads a KV cache of the model's dtype only (use "
+                             "--attention-backend triton)")
         backend = get_backend(self.attention_backend, self.device.type)
         if getattr(backend, "FUSED_CPU_OPS", False) and config.tensor_parallel_size == 1:
             for m in (model, draft_model):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+_KV_CACHE_DTYPES = ("auto", "float16", "half", "fp8_e4m3")
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
 _CPU_LINEARS = ("auto", "torch", "onednn", "dual")
 _SPECULATIVE_METHODS = ("ngram", "self", "draft")
@@ -98,9 +98,12 @@ class EngineConfig:
         default=1, metadata={"help": "shortest n-gram the ngram proposer matches"}
     )
     kv_cache_dtype: str = field(
-        default="auto", metadata={"help": "KV cache storage; auto: the model dtype, fp8_e4m3: "
-                                          "8 bits, upcast on read, scaled by the checkpoint's "
-                                          "k/v scales (per tensor or per head) if it has them",
+        default="auto", metadata={"help": "KV cache storage; auto: the model dtype; float16 "
+                                          "(or half): 16 bits, widened to the model dtype on "
+                                          "read (llama.cpp's default; half a float32 cache); "
+                                          "fp8_e4m3: 8 bits, upcast on read, scaled by the "
+                                          "checkpoint's k/v scales (per tensor or per head) if "
+                                          "it has them",
                                   "choices": _KV_CACHE_DTYPES}
     )
     seed: int = field(default=0, metadata={"help": "seed for requests that set none"})

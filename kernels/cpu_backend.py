@@ -1,12 +1,14 @@
-"""CPU backend: float32 decodes in a C kernel that reads K/V through the block table.
+"""CPU backend: decodes in a C kernel that reads K/V (float32 or float16) through the block table.
 
 The torch backend gathers each decode's blocks into a contiguous copy before its SDPA, which
 reads and writes the whole cache once more than attention itself needs. `cpu_decode.c` walks
 the blocks in place with an online softmax, one OpenMP task per sequence (16 tokens' scores
 per vector for head dims of 64 and 128), and splits long sequences across threads when those
 tasks are too few (split-KV). `kernels/cc_build.py` compiles it on first use; it links the
-libgomp torch has already loaded, so both share one thread pool. KV writes of float32 rows are
-one C call too. Prefill chunks, other dtypes and the FP8 cache go to the torch backend.
+libgomp torch has already loaded, so both share one thread pool. A float16 cache is widened in
+registers (queries and outputs stay float32). KV writes of float32 rows into a float32 or
+float16 cache are one C call too. Prefill chunks (which upcast the gathered blocks), other
+dtypes and the FP8 cache go to the torch backend.
 Without a C compiler the backend is unavailable and `auto` stays on torch.
 """
 
@@ -27,11 +29,17 @@ MAX_GROUP, MAX_BLOCK, MAX_ROWS = 64, 64, 4096  # the C kernel's stack arrays
 # NOTE: at import: any failure is an ImportError, as for a missing triton
 _lib = cc_build.build(SOURCE, FLAGS)
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-_decode_f32, _write_kv_f32 = _lib.paged_decode_f32, _lib.write_kv_f32
-_decode_f32.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
-                        _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _i32, _i32]
-_write_kv_f32.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64]
-_decode_f32.restype, _write_kv_f32.restype = None, _i64
+# the C entry points per cache dtype (same arguments; queries and K/V rows in are float32)
+CACHE_DTYPES = (torch.float32, torch.float16)
+_DECODE = {torch.float32: _lib.paged_decode_f32, torch.float16: _lib.paged_decode_f16}
+_WRITE_KV = {torch.float32: _lib.write_kv_f32, torch.float16: _lib.write_kv_f16}
+for _f in _DECODE.values():
+    _f.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
+                   _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _i32, _i32]
+    _f.restype = None
+for _f in _WRITE_KV.values():
+    _f.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64]
+    _f.restype = _i64
 # NOTE: with this backend the engine also runs RMSNorm and rope in C (kernels/cpu_ops.py);
 # with the torch backend the whole model stays in torch: the reference.
 FUSED_CPU_OPS = True
@@ -47,16 +55,19 @@ def write_kv(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Same contract as the torch backend's; float32 rows are copied in one C call."""
+    """Same contract as the torch backend's; float32 rows go into a float32 or float16 cache
+    in one C call (float16 rounded to nearest even, as torch's cast rounds)."""
     if (k_scale is None and v_scale is None
-            and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and key.dtype == value.dtype == torch.float32
+            and k_cache.dtype == v_cache.dtype and k_cache.dtype in CACHE_DTYPES
             and key.stride()[1:] == value.stride()[1:] == (key.shape[2], 1)
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
         width = key.shape[1] * key.shape[2]
-        bad = _write_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.numel() // width,
-                            slot_mapping.data_ptr(), key.shape[0], width)
+        bad = _WRITE_KV[k_cache.dtype](
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.numel() // width,
+            slot_mapping.data_ptr(), key.shape[0], width)
         if bad:
             raise IndexError(f"{bad} KV cache slots out of range")
         return
@@ -90,12 +101,14 @@ def paged_attention(
 
 
 def fits(q, k_cache, v_cache, out, k_scale, v_scale, meta) -> bool:
-    """float32 everywhere, no FP8 scales, layouts the kernel indexes, sizes its arrays hold."""
+    """float32 queries and outputs, a float32 or float16 cache, no FP8 scales, layouts the
+    kernel indexes, sizes its arrays hold."""
     heads, head_dim = q.shape[1], q.shape[2]
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     return (q.device.type == "cpu" and k_scale is None and v_scale is None
-            and q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
+            and q.dtype == out.dtype == torch.float32
+            and k_cache.dtype == v_cache.dtype and k_cache.dtype in CACHE_DTYPES
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and q.stride()[1:] == (head_dim, 1) and out.stride()[1:] == (head_dim, 1)
             and meta.block_tables.dtype == torch.int64 and meta.block_tables.stride(1) == 1
@@ -114,7 +127,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     nd, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     tables = meta.block_tables
-    _decode_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                tables.data_ptr(), tables.stride(0), meta.seq_lens.data_ptr(),
-                out.data_ptr(), out.stride(0), nd, heads, kv_heads, head_dim, block_size,
-                scale, meta.window or 0, num_threads or torch.get_num_threads())
+    _DECODE[k_cache.dtype](q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                           tables.data_ptr(), tables.stride(0), meta.seq_lens.data_ptr(),
+                           out.data_ptr(), out.stride(0), nd, heads, kv_heads, head_dim,
+                           block_size, scale, meta.window or 0,
+                           num_threads or torch.get_num_threads())

@@ -1,35 +1,115 @@
-/* Paged decode attention for the CPU, float32: reads K/V straight through the block table.
+/* Paged decode attention for the CPU: reads K/V (float32 or float16) straight through the
+ * block table; float32 queries, accumulators and outputs.
  *
  * One task per (sequence, split) walks the split's blocks once per KV head, each head's GQA
  * group of query rows with an online softmax (running max, running sum, rescaled
  * accumulator), so no K/V is gathered or copied. When sequences are too few to give every
  * thread two tasks, each sequence's blocks are split and the partial results merged
- * (split-KV). Built and loaded at run time by kernels/cpu_backend.py.
+ * (split-KV). A float16 cache is widened to float32 in registers as it is loaded (F16C /
+ * AVX-512 `vcvtph2ps`, or a portable bit conversion without them). Built and loaded at run
+ * time by kernels/cpu_backend.py.
+ *
+ * Exported: paged_decode_f32 / paged_decode_f16 (same arguments; the caches' element type
+ * differs) and write_kv_f32 / write_kv_f16 (float32 rows in; float16 stored rounded to nearest
+ * even, as numpy and torch round).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define MAX_ROWS 4096 /* group x head_dim floats per task, on the stack */
 #define MAX_SPLITS 256
 #define MIN_SPLIT_BLOCKS 8
 
 typedef struct {
-    const float *k_cache, *v_cache;
+    const void *k_cache, *v_cache; /* float or uint16_t (float16 bits): the F16 argument */
     const int64_t *table;
     int64_t tok_stride;
     int group, head_dim, block_size, kv_heads;
 } Shape;
 
+/* float16 bits <-> float32, portable (exact widening; narrowing rounds to nearest even,
+ * overflow to inf, float16 subnormals kept) */
+static inline float half_bits_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t x;
+    float f;
+    if (e == 0x1f)
+        x = sign | 0x7f800000 | (m << 13);
+    else if (e)
+        x = sign | ((e + 112) << 23) | (m << 13);
+    else {
+        f = (float)m * 5.9604644775390625e-8f; /* m * 2^-24: exact */
+        memcpy(&x, &f, 4);
+        x |= sign;
+    }
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+static inline uint16_t float_to_half_bits(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    const uint32_t ax = x & 0x7fffffff;
+    if (ax >= 0x7f800000) /* inf, NaN (kept quiet) */
+        return sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 | ((ax >> 13) & 0x3ff) : 0);
+    if (ax >= 0x477ff000) /* 65520 and up round to inf */
+        return sign | 0x7c00;
+    uint32_t h, rem, half;
+    if (ax < 0x38800000) { /* below 2^-14: a float16 subnormal (or zero) */
+        if (ax < 0x33000000) /* below 2^-25: rounds to zero */
+            return sign;
+        const uint32_t mant = (ax & 0x7fffff) | 0x800000, shift = 126 - (ax >> 23);
+        h = mant >> shift;
+        rem = mant & ((1u << shift) - 1);
+        half = 1u << (shift - 1);
+    } else {
+        const uint32_t r = ax - (112u << 23); /* rebias 127 -> 15 */
+        h = r >> 13;
+        rem = r & 0x1fff;
+        half = 0x1000;
+    }
+    h += rem > half || (rem == half && (h & 1)); /* a carry moves into the exponent: right */
+    return sign | (uint16_t)h;
+}
+
+static inline float load1(const void *p, int64_t i, const int F16)
+{
+    if (!F16)
+        return ((const float *)p)[i];
+#if defined(__F16C__)
+    return _cvtsh_ss(((const uint16_t *)p)[i]);
+#else
+    return half_bits_to_float(((const uint16_t *)p)[i]);
+#endif
+}
+
+static inline uint16_t to_half(float f)
+{
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    return float_to_half_bits(f);
+#endif
+}
+
 /* Attend one KV head's group of (pre-scaled) query rows over tokens [first, last):
  * acc gets sum p * v, m the running max and l the sum of p per row (not yet divided). */
-static void attend(const Shape *c, int h, const float *qs, int first, int last,
-                   float *acc, float *m, float *l)
+static inline __attribute__((always_inline)) void
+attend(const Shape *c, int h, const float *qs, int first, int last, float *acc, float *m,
+       float *l, const int F16)
 {
     const int group = c->group, head_dim = c->head_dim, block_size = c->block_size;
     const int64_t tok_stride = c->tok_stride;
     const int kv_heads = c->kv_heads;
-    const float *k_cache = c->k_cache, *v_cache = c->v_cache;
+    const void *k_cache = c->k_cache, *v_cache = c->v_cache;
     const int64_t *table = c->table;
     float p[64 * 64];
     for (int i = 0; i < group * head_dim; i++)
@@ -44,16 +124,15 @@ static void attend(const Shape *c, int h, const float *qs, int first, int last,
         n = last - start < block_size - off ? last - start : block_size - off;
         const int64_t base = (table[start / block_size] * block_size
                               * kv_heads + h) * head_dim + off * tok_stride;
-        const float *kb = k_cache + base, *vb = v_cache + base;
         /* scores: each K row is loaded once for the whole group */
         for (int t = 0; t < n; t++) {
-            const float *kt = kb + t * tok_stride;
+            const int64_t kt = base + t * tok_stride;
             for (int g = 0; g < group; g++) {
                 const float *qg = qs + g * head_dim;
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int d = 0; d < head_dim; d++)
-                    dot += qg[d] * kt[d];
+                    dot += qg[d] * load1(k_cache, kt + d, F16);
                 p[g * block_size + t] = dot;
             }
         }
@@ -78,13 +157,13 @@ static void attend(const Shape *c, int h, const float *qs, int first, int last,
         }
         /* values: each V row is loaded once for the whole group */
         for (int t = 0; t < n; t++) {
-            const float *vt = vb + t * tok_stride;
+            const int64_t vt = base + t * tok_stride;
             for (int g = 0; g < group; g++) {
                 const float w = p[g * block_size + t];
                 float *ag = acc + g * head_dim;
 #pragma omp simd
                 for (int d = 0; d < head_dim; d++)
-                    ag[d] += w * vt[d];
+                    ag[d] += w * load1(v_cache, vt + d, F16);
             }
         }
     }
@@ -99,6 +178,29 @@ typedef float v16u __attribute__((vector_size(64), aligned(4))); /* unaligned lo
 
 #define LOAD(ptr) (*(const v16u *)(ptr))
 #define FOLD(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
+
+/* 16 cache elements from index i, as float32 */
+static inline __attribute__((always_inline)) v16 load16(const void *p, int64_t i, const int F16)
+{
+    if (!F16)
+        return LOAD((const float *)p + i);
+    const uint16_t *h = (const uint16_t *)p + i;
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+#elif defined(__F16C__)
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)));
+    v16 r;
+    memcpy(&r, &lo, 32);
+    memcpy((char *)&r + 32, &hi, 32);
+    return r;
+#else
+    float f[16];
+    for (int j = 0; j < 16; j++)
+        f[j] = half_bits_to_float(h[j]);
+    return LOAD(f);
+#endif
+}
 
 /* lane i of the result = the sum of x[i]'s 16 lanes */
 static inline v16 hsum16(const v16 *x)
@@ -119,8 +221,9 @@ static inline v16 hsum16(const v16 *x)
 
 static inline __attribute__((always_inline)) void
 attend16(const Shape *c, int h, const float *qs, int first, int last, float *acc_out,
-         float *m, float *l, const int G, const int HD)
+         float *m, float *l, const int G, const int HD, const int F16)
 {
+    const int64_t esize = F16 ? 2 : 4;
     const int block_size = c->block_size, kv_heads = c->kv_heads;
     const int64_t tok_stride = c->tok_stride;
     v16 acc[G][HD / 16], q[G][HD / 16];
@@ -140,15 +243,16 @@ attend16(const Shape *c, int h, const float *qs, int first, int last, float *acc
         if (h == 0 && start - off + block_size < last) {
             /* the next block, every head (the later heads' passes find it in L2) */
             const int64_t next = c->table[start / block_size + 1] * block_size * tok_stride;
-            for (int64_t i = 0; i < block_size * tok_stride; i += 16) {
-                __builtin_prefetch(c->k_cache + next + i);
-                __builtin_prefetch(c->v_cache + next + i);
+            const char *kn = (const char *)c->k_cache + next * esize;
+            const char *vn = (const char *)c->v_cache + next * esize;
+            for (int64_t i = 0; i < block_size * tok_stride * esize; i += 64) {
+                __builtin_prefetch(kn + i);
+                __builtin_prefetch(vn + i);
             }
         }
         for (int t0 = 0; t0 < n; t0 += 16) {
             const int nt = n - t0 < 16 ? n - t0 : 16;
-            const float *kb = c->k_cache + base + t0 * tok_stride;
-            const float *vb = c->v_cache + base + t0 * tok_stride;
+            const int64_t kb = base + t0 * tok_stride; /* element index of token t0 */
             float p[G][16];
             for (int g = 0; g < G; g++) {
                 v16 part[16];
@@ -156,7 +260,7 @@ attend16(const Shape *c, int h, const float *qs, int first, int last, float *acc
                     v16 s = {0};
                     if (t < nt)
                         for (int j = 0; j < HD / 16; j++)
-                            s += q[g][j] * LOAD(kb + t * tok_stride + 16 * j);
+                            s += q[g][j] * load16(c->k_cache, kb + t * tok_stride + 16 * j, F16);
                     part[t] = s;
                 }
                 v16 sc = hsum16(part);
@@ -177,7 +281,7 @@ attend16(const Shape *c, int h, const float *qs, int first, int last, float *acc
             }
             for (int t = 0; t < nt; t++)
                 for (int j = 0; j < HD / 16; j++) {
-                    const v16 v = LOAD(vb + t * tok_stride + 16 * j);
+                    const v16 v = load16(c->v_cache, kb + t * tok_stride + 16 * j, F16);
                     for (int g = 0; g < G; g++)
                         acc[g][j] += p[g][t] * v;
                 }
@@ -189,31 +293,50 @@ attend16(const Shape *c, int h, const float *qs, int first, int last, float *acc
                 acc_out[g * HD + 16 * j + i] = acc[g][j][i];
 }
 
-/* attend16 where the shape has an instance, else the scalar attend */
-static void attend_any(const Shape *c, int h, const float *qs, int first, int last, float *acc,
-                       float *m, float *l)
-{
+#define CASES                                                                                 \
+    CASE(1, 64) CASE(2, 64) CASE(3, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) CASE(8, 64) \
+    CASE(1, 128) CASE(2, 128) CASE(3, 128) CASE(4, 128) CASE(5, 128) CASE(6, 128) CASE(7, 128)  \
+    CASE(8, 128)
 #define CASE(G, HD)                                                    \
     if (c->group == G && c->head_dim == HD) {                          \
-        attend16(c, h, qs, first, last, acc, m, l, G, HD);             \
+        attend16(c, h, qs, first, last, acc, m, l, G, HD, F16);        \
         return;                                                        \
     }
-    CASE(1, 64) CASE(2, 64) CASE(3, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) CASE(8, 64)
-    CASE(1, 128) CASE(2, 128) CASE(3, 128) CASE(4, 128) CASE(5, 128) CASE(6, 128) CASE(7, 128)
-    CASE(8, 128)
-#undef CASE
-    attend(c, h, qs, first, last, acc, m, l);
+
+static void attend_f32(const Shape *c, int h, const float *qs, int first, int last, float *acc,
+                       float *m, float *l)
+{
+    enum { F16 = 0 };
+    CASES
+    attend(c, h, qs, first, last, acc, m, l, F16);
 }
 
-void paged_decode_f32(
+static void attend_f16(const Shape *c, int h, const float *qs, int first, int last, float *acc,
+                       float *m, float *l)
+{
+    enum { F16 = 1 };
+    CASES
+    attend(c, h, qs, first, last, acc, m, l, F16);
+}
+#undef CASE
+#undef CASES
+
+/* attend16 where the shape has an instance, else the scalar attend */
+static void attend_any(const Shape *c, int h, const float *qs, int first, int last, float *acc,
+                       float *m, float *l, int f16)
+{
+    (f16 ? attend_f16 : attend_f32)(c, h, qs, first, last, acc, m, l);
+}
+
+static void paged_decode(
     const float *q, int64_t q_stride,      /* [num_seqs, heads, head_dim]; token stride */
-    const float *k_cache, const float *v_cache, /* [blocks, block_size, kv_heads, head_dim] */
+    const void *k_cache, const void *v_cache, /* [blocks, block_size, kv_heads, head_dim] */
     const int64_t *tables, int64_t table_stride, /* [num_seqs, max_blocks] */
     const int32_t *seq_lens,                /* [num_seqs] */
     float *out, int64_t out_stride,         /* [num_seqs, heads, head_dim]; token stride */
     int num_seqs, int heads, int kv_heads, int head_dim, int block_size, float scale,
     int window,                             /* > 0: attend the last `window` keys only */
-    int num_threads)
+    int num_threads, int f16)               /* f16: the caches hold float16 bits */
 {
     const int group = heads / kv_heads;
     const int rows = group * head_dim;
@@ -262,7 +385,7 @@ void paged_decode_f32(
                     qs[i] = qh[i] * scale;
                 float *oh = out + s * out_stride + (int64_t)h * rows;
                 if (splits == 1) {
-                    attend_any(&c, h, qs, lo, len, acc, m, l);
+                    attend_any(&c, h, qs, lo, len, acc, m, l, f16);
                     for (int g = 0; g < group; g++)
                         for (int d = 0; d < head_dim; d++)
                             oh[g * head_dim + d] = acc[g * head_dim + d] / l[g];
@@ -278,7 +401,7 @@ void paged_decode_f32(
                         pp[i] = 0.0f;
                     continue;
                 }
-                attend_any(&c, h, qs, first, last, pp, pp + rows, pp + rows + group);
+                attend_any(&c, h, qs, first, last, pp, pp + rows, pp + rows + group, f16);
             }
         }
     }
@@ -310,6 +433,30 @@ void paged_decode_f32(
     free(parts);
 }
 
+/* Decode attention over a float32 cache. */
+void paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
+                      const float *v_cache, const int64_t *tables, int64_t table_stride,
+                      const int32_t *seq_lens, float *out, int64_t out_stride, int num_seqs,
+                      int heads, int kv_heads, int head_dim, int block_size, float scale,
+                      int window, int num_threads)
+{
+    paged_decode(q, q_stride, k_cache, v_cache, tables, table_stride, seq_lens, out,
+                 out_stride, num_seqs, heads, kv_heads, head_dim, block_size, scale, window,
+                 num_threads, 0);
+}
+
+/* The same over a float16 cache (uint16_t bits); q and out stay float32. */
+void paged_decode_f16(const float *q, int64_t q_stride, const uint16_t *k_cache,
+                      const uint16_t *v_cache, const int64_t *tables, int64_t table_stride,
+                      const int32_t *seq_lens, float *out, int64_t out_stride, int num_seqs,
+                      int heads, int kv_heads, int head_dim, int block_size, float scale,
+                      int window, int num_threads)
+{
+    paged_decode(q, q_stride, k_cache, v_cache, tables, table_stride, seq_lens, out,
+                 out_stride, num_seqs, heads, kv_heads, head_dim, block_size, scale, window,
+                 num_threads, 1);
+}
+
 /* The new tokens' K and V rows into their cache slots (slot -1: padding, skipped). key, value:
  * [num_tokens, width] rows `*_stride` floats apart; caches: num_slots slots of width floats.
  * Returns the number of slots out of range (not written). */
@@ -332,4 +479,49 @@ int64_t write_kv_f32(const float *key, int64_t key_stride, const float *value,
         }
     }
     return bad;
+}
+
+/* write_kv_f32 into float16 caches (uint16_t bits), each value rounded to nearest even. */
+int64_t write_kv_f16(const float *key, int64_t key_stride, const float *value,
+                     int64_t value_stride, uint16_t *k_cache, uint16_t *v_cache,
+                     int64_t num_slots, const int64_t *slots, int64_t num_tokens, int64_t width)
+{
+    int64_t bad = 0;
+    for (int64_t i = 0; i < num_tokens; i++) {
+        const int64_t slot = slots[i];
+        if (slot < 0)
+            continue;
+        if (slot >= num_slots) {
+            bad++;
+            continue;
+        }
+        const float *k = key + i * key_stride, *v = value + i * value_stride;
+        uint16_t *kd = k_cache + slot * width, *vd = v_cache + slot * width;
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        for (; j + 16 <= width; j += 16) {
+            const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            _mm256_storeu_si256((__m256i *)(kd + j), _mm512_cvtps_ph(_mm512_loadu_ps(k + j), mode));
+            _mm256_storeu_si256((__m256i *)(vd + j), _mm512_cvtps_ph(_mm512_loadu_ps(v + j), mode));
+        }
+#endif
+        for (; j < width; j++) {
+            kd[j] = to_half(k[j]);
+            vd[j] = to_half(v[j]);
+        }
+    }
+    return bad;
+}
+
+/* The portable conversions, exported for tests (a build without F16C uses them inside). */
+void half_bits_to_float_n(const uint16_t *src, float *dst, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = half_bits_to_float(src[i]);
+}
+
+void float_to_half_bits_n(const float *src, uint16_t *dst, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = float_to_half_bits(src[i]);
 }

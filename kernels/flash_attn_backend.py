@@ -56,8 +56,9 @@ def paged_attention(
     """One varlen call over the whole batch; causal=True is bottom-right aligned in flash-attn.
     A sliding window W is flash-attn's window_size (W - 1, 0): W keys, the query's included."""
     if k_cache.dtype != q.dtype or k_scale is not None or v_scale is not None:
-        raise ValueError("the flash_attn backend has no FP8 KV cache here: use "
-                         "--attention-backend triton with --kv-cache-dtype fp8_e4m3")
+        raise ValueError("the flash_attn backend reads a KV cache of the model's dtype only "
+                         "(no FP8 or float16 cache here): use --attention-backend triton with "
+                         "--kv-cache-dtype float16 or fp8_e4m3")
     # NOTE: flash-attn wants an int32 page table; the runner builds int64 for index_select.
     tables = meta.block_tables.to(torch.int32)
     max_q = max(meta.query_lens_cpu)

@@ -94,9 +94,13 @@ def resolve_mode(mode: str, model: nn.Module, device: torch.device, dtype: torch
         raise ValueError(f"cpu_linear {mode} needs a float32 model on a CPU with oneDNN")
     if mode != "auto":
         return mode
-    if not usable:
+    linears = _linears(model)
+    # NOTE: nothing to pack (a quantized model): torch, without dual's MKL probe, which
+    # paged in 9 MiB of libtorch_cpu's code at ready (3 MiB after the first requests, whose
+    # prefill GEMMs run part of it anyway)
+    if not usable or not linears:
         return "torch"
-    extra = sum(m.weight.numel() * m.weight.element_size() for m in _linears(model))
+    extra = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     return "dual" if extra <= _available_bytes() / 4 else "torch"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 from bench import peers
 
@@ -27,15 +28,41 @@ def test_ratio_table_divides_by_the_peers_of_the_same_run() -> None:
     results = [
         {"server": "quantized", "points": [_point(1, 60.0), _point(8, 300.0)],
          "time_to_ready_s": 2.0, "rss_ready_bytes": 2**30, "rss_peak_bytes": 2**31,
-         "engine_rss_ready_bytes": 2**29},
+         "engine_rss_ready_bytes": 2**29, "engine_rss_peak_bytes": 3 * 2**28},
         {"server": "float32", "points": [_point(1, 30.0), _point(8, 100.0)],
          "time_to_ready_s": 3.0, "rss_ready_bytes": 2**30, "rss_peak_bytes": 2**30},
         {"server": "llama.cpp", "points": [_point(1, 40.0), _point(8, 50.0)],
-         "time_to_ready_s": 1.0, "rss_ready_bytes": None, "rss_peak_bytes": None},
+         "time_to_ready_s": 1.0, "rss_ready_bytes": 2**28, "rss_peak_bytes": 2**29,
+         "engine_rss_ready_bytes": 2**28, "engine_rss_peak_bytes": 2**29},
     ]
     text = "\n".join(peers.ratio_table(results))
     assert "| quantized | 1 | 60.0 | 10.0 | 1.50x tok/s | 2.00x tok/s |" in text
     assert "| quantized | 8 | 300.0 | 10.0 | 6.00x tok/s | 3.00x tok/s |" in text
-    assert "| quantized | 2.0 | 1024 | 512 | 2048 |" in text  # engine RSS: its own column
-    assert "| float32 | 3.0 | 1024 | - | 1024 |" in text  # a result without it says "-"
-    assert "| llama.cpp | 1.0 | - | - |" in text
+    # engine RSS at ready and peak: their own columns, and ratios against llama.cpp's
+    assert "| quantized | 2.0 | 1024 | 512 | 2048 | 768 | 2.00x / 1.50x |" in text
+    assert "| float32 | 3.0 | 1024 | - | 1024 | - | - / - |" in text  # without it: "-"
+    assert "| llama.cpp | 1.0 | 256 | 256 | 512 | 512 | 1.00x / 1.00x |" in text
+
+
+def test_kv_match_gives_pagedserve_llama_cpps_context_in_float16() -> None:
+    assert peers.kv_match_args(4096) == ["--num-gpu-blocks", "256", "--block-size", "16",
+                                         "--kv-cache-dtype", "float16", "--swap-space", "0"]
+    assert peers.kv_match_args(4000)[1] == "250" and peers.kv_match_args(4001)[1] == "251"
+
+
+def test_rss_sampler_tracks_the_engine_process_apart() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-m",
+                              "engine", "x"])
+    try:
+        for _ in range(500):  # NOTE: until the child has exec'd (its command line is its own)
+            if " -m engine " in open(f"/proc/{child.pid}/cmdline").read().replace("\0", " "):
+                break
+            time.sleep(0.01)
+        sampler = peers.RssSampler(os.getpid())
+        sampler.sample()
+        engine = peers.engine_rss(peers.process_rss(os.getpid()))
+        assert 0 < sampler.engine_peak < sampler.peak  # the child alone, the tree beside it
+        assert abs(sampler.engine_peak - engine) < 2**24
+    finally:
+        child.kill()
+        child.wait()

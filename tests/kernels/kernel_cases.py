@@ -173,7 +173,7 @@ def check_attention(
     seed = random.randrange(2**31) if seed is None else seed
     gen = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
-    kvd = FP8 if kv_dtype == "fp8_e4m3" else dt
+    kvd = {"fp8_e4m3": FP8, "float16": torch.float16}.get(kv_dtype, dt)
     b = make_batch(BATCHES[batch_name], kv_heads=kv_heads, group=group, head_dim=head_dim,
                    dtype=dt, kv_dtype=kvd, scales=scales, page=page, device=device, gen=gen,
                    window=window)
@@ -256,6 +256,11 @@ def matrix(backend: str) -> list[dict]:
              for bn in MATRIX_BATCHES for g in (1, 3, 4, 8) for dt in DTYPES]
     cases += [dict(backend=backend, batch_name="mixed", group=4, dtype=dt, kv_dtype="fp8_e4m3",
                    scales=sc) for dt in ("float16", "bfloat16") for sc in (None, "tensor", "head")]
+    # a float16 cache under float32 (the CPU's) and bfloat16 (a GPU's) queries; flash_attn
+    # refuses a cache dtype other than the model's
+    if backend != "flash_attn":
+        cases += [dict(backend=backend, batch_name="mixed", group=4, dtype=dt, kv_dtype="float16")
+                  for dt in ("float32", "bfloat16")]
     # other block sizes, and a head dim that is not a power of two (masked lanes)
     cases += [dict(backend=backend, batch_name="mixed", group=3, dtype="float32", page=p)
               for p in (8, 32)]
