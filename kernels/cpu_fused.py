@@ -23,10 +23,11 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 # The KV pool dtypes the driver takes, each with cpu_decode.c's (KV write, decode) entry
-# points and the driver's slots for them. NOTE: float16 pools (issue-18b's write_kv_f16 and
-# paged_decode_f16, the f32 functions' arguments over uint16_t pools) are one more entry:
-#   torch.float16: (("write_kv_f16", "paged_decode_f16"), ("write_kv_f16", "decode_f16"))
-KV_ENTRY_POINTS = {torch.float32: (("write_kv_f32", "paged_decode_f32"), ("write_kv", "decode"))}
+# points and the driver's slots for them (the float16 ones: the f32 functions' arguments over
+# uint16_t pools, `--kv-cache-dtype float16`).
+KV_ENTRY_POINTS = {torch.float32: (("write_kv_f32", "paged_decode_f32"), ("write_kv", "decode")),
+                   torch.float16: (("write_kv_f16", "paged_decode_f16"),
+                                   ("write_kv_f16", "decode_f16"))}
 
 
 class _Kernels(ctypes.Structure):
