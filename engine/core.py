@@ -27,7 +27,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SpecConfig
 from engine.step_plan import choice_key
 from engine.structured.compiler import GrammarCompiler
 from engine.tokenizer import tokenizer_dir
-from ipc.config import EngineConfig
+from ipc.config import EngineConfig, step_token_budget
 from ipc.messages import AddRequest, EngineStats, TokenDelta
 from ipc.model_source import resolve_model
 from kernels import auto_backend, get_backend
@@ -74,7 +74,8 @@ class EngineCore:
         model_len = self.max_model_len
         # NOTE: with window freeing a request holds at most its window's blocks, whatever its
         # length; otherwise one block per block_size tokens
-        full = self.kv.max_blocks_held(model_len, config.max_num_batched_tokens)
+        step_tokens = step_token_budget(config, self.device.type)
+        full = self.kv.max_blocks_held(model_len, step_tokens)
         self.max_model_len = _fit_context(model_len, self.num_gpu_blocks, self.block_size, full)
         # NOTE: said in errors, so that a client knows why its context is short
         self._context_note = ("" if self.max_model_len == model_len else
@@ -85,7 +86,7 @@ class EngineCore:
         preemption = PreemptionCost(block_bytes, 2.0 * self.num_params, self.device.type,
                                     config.preemption_mode)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            SchedulerConfig(config.max_num_seqs, step_tokens, self.max_model_len,
                             _spec_config(config, self.model_config.num_layers),
                             self.model_config.vocab_size),
             self.kv,
