@@ -95,14 +95,21 @@ class RssSampler:
             self.sample()
 
 
+F16KV = "-f16kv"
+
+
 def server_command(kind: str, model: str, port: int, args: argparse.Namespace) -> list[str]:
     if kind == "llama.cpp":
         return [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", model,
                 "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads),
                 "--n_ctx", str(args.n_ctx), "--interrupt_requests", "False"]
+    # NOTE: a "-f16kv" kind is the same server over a float16 KV cache (llama.cpp's default)
+    base, f16kv = kind.removesuffix(F16KV), kind.endswith(F16KV)
     quant = {"quantized": ["--quantization", "gguf"],
              "quantized-a8": ["--quantization", "gguf", "--quantization-numerics", "a8"],
-             "float32": ["--quantization", "none"]}[kind]
+             "float32": ["--quantization", "none"]}[base]
+    if f16kv:
+        quant += ["--kv-cache-dtype", "float16"]
     return [sys.executable, "-m", "gateway.cli", "serve", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--num-threads", str(args.threads), *quant,
             *(kv_match_args(args.n_ctx) if args.kv_match else []), *args.pagedserve_args.split()]
@@ -226,7 +233,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=".gguf file (default: the bundled model)")
     p.add_argument("--servers", default="quantized,float32,llama.cpp",
-                   help="comma list of quantized, quantized-a8, float32, llama.cpp")
+                   help="comma list of quantized, quantized-a8, float32, llama.cpp; a "
+                        "pagedserve kind + \"-f16kv\": over a float16 KV cache")
     p.add_argument("--url", action="append", default=[],
                    help="NAME=URL of a server already running (not started, no RSS)")
     p.add_argument("--llama-cpp-python", default="/work/peers-venv/bin/python",

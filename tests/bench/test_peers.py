@@ -66,3 +66,13 @@ def test_rss_sampler_tracks_the_engine_process_apart() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_f16kv_kinds_are_their_server_over_a_float16_cache() -> None:
+    import argparse
+
+    args = argparse.Namespace(threads=2, kv_match=False, n_ctx=4096, pagedserve_args="")
+    plain = peers.server_command("quantized-a8", "m.gguf", 1, args)
+    f16 = peers.server_command("quantized-a8-f16kv", "m.gguf", 1, args)
+    assert f16 == plain + ["--kv-cache-dtype", "float16"]
+    assert "--kv-cache-dtype" not in peers.server_command("float32", "m.gguf", 1, args)
