@@ -94,11 +94,11 @@ class EngineCore:
             preemption,
         )
         sampler = Sampler(self.eos_token_ids, config.seed, self.device)
-        self.attention_backend = (auto_backend(self.device.type)
+        self.attention_backend = (auto_backend(self.device.type, self.kv_dtype == self.dtype)
                                   if config.attention_backend == "auto"
                                   else config.attention_backend)  # the one that runs
         if self.attention_backend == "flash_attn" and self.kv_dtype != self.dtype:
-            # NOTE: at start, not at the first request's attention call
+            # NOTE: asked for by name (auto skips it): at start, not at the first request
             raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype}: the flash_attn backend "
                              "reads a KV cache of the model's dtype only (use "
                              "--attention-backend triton)")

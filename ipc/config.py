@@ -131,10 +131,10 @@ class EngineConfig:
                                   "choices": _QUANTIZATIONS}
     )
     quantization_numerics: str = field(
-        default="a32", metadata={"help": "quantized products of decode-sized batches: a32 "
-                                         "(weights expanded to float32, float32 FMA: the "
-                                         "dequantized model's result) or a8 (activations to "
-                                         "int8 per 32 values, integer dot products)",
+        default="a32", metadata={"help": "quantized products: a32 (weights expanded to "
+                                         "float32, float32 FMA: the dequantized model's "
+                                         "result) or a8 (activations to int8 per 32 values, "
+                                         "integer dot products, prefill chunks included)",
                                  "choices": _QUANT_NUMERICS}
     )
     tensor_parallel_size: int = field(

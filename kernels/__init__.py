@@ -39,11 +39,14 @@ def get_backend(name: str = "torch", device_type: str = "cpu") -> ModuleType:
         raise ValueError(f"attention backend {name!r} cannot be used here: {e}") from e
 
 
-def auto_backend(device_type: str) -> str:
-    """flash_attn, then triton, on CUDA; cpu on the CPU; the first that imports, else torch."""
+def auto_backend(device_type: str, cache_like_model: bool = True) -> str:
+    """flash_attn, then triton, on CUDA; cpu on the CPU; the first that imports, else torch.
+    cache_like_model False (an FP8 or float16 cache under another model dtype): not
+    flash_attn, which reads a cache of the model's dtype only."""
     if device_type not in ("cuda", "cpu"):
         return "torch"
-    for name in ("flash_attn", "triton") if device_type == "cuda" else ("cpu",):
+    cuda = ("flash_attn", "triton") if cache_like_model else ("triton",)
+    for name in cuda if device_type == "cuda" else ("cpu",):
         try:
             importlib.import_module(BACKENDS[name])
         except ImportError:

@@ -10,8 +10,8 @@
  * time by kernels/cpu_backend.py.
  *
  * Exported: paged_decode_f32 / paged_decode_f16 (same arguments; the caches' element type
- * differs) and write_kv_f32 / write_kv_f16 (float32 rows in; float16 stored rounded to nearest
- * even, as numpy and torch round).
+ * differs) and write_kv_f32 / write_kv_f16 (float32 rows in; float16 stored saturated at
+ * +-65504 and rounded to nearest even, as numpy and torch round).
  */
 #include <math.h>
 #include <stdint.h>
@@ -89,6 +89,16 @@ static inline float load1(const void *p, int64_t i, const int F16)
 #else
     return half_bits_to_float(((const uint16_t *)p)[i]);
 #endif
+}
+
+/* NOTE: KV writes saturate at float16's largest finite value, as the FP8 path clamps: an inf
+ * left in a freed block would turn a later request's masked p = 0 into 0 * inf = NaN in the
+ * torch backend's gathered attention. */
+#define HALF_MAX 65504.0f
+
+static inline float saturate_half(float f)
+{
+    return f > HALF_MAX ? HALF_MAX : (f < -HALF_MAX ? -HALF_MAX : f);
 }
 
 static inline uint16_t to_half(float f)
@@ -499,15 +509,18 @@ int64_t write_kv_f16(const float *key, int64_t key_stride, const float *value,
         uint16_t *kd = k_cache + slot * width, *vd = v_cache + slot * width;
         int64_t j = 0;
 #if defined(__AVX512F__)
+        const __m512 hi = _mm512_set1_ps(HALF_MAX), lo = _mm512_set1_ps(-HALF_MAX);
         for (; j + 16 <= width; j += 16) {
             const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-            _mm256_storeu_si256((__m256i *)(kd + j), _mm512_cvtps_ph(_mm512_loadu_ps(k + j), mode));
-            _mm256_storeu_si256((__m256i *)(vd + j), _mm512_cvtps_ph(_mm512_loadu_ps(v + j), mode));
+            const __m512 kj = _mm512_max_ps(lo, _mm512_min_ps(hi, _mm512_loadu_ps(k + j)));
+            const __m512 vj = _mm512_max_ps(lo, _mm512_min_ps(hi, _mm512_loadu_ps(v + j)));
+            _mm256_storeu_si256((__m256i *)(kd + j), _mm512_cvtps_ph(kj, mode));
+            _mm256_storeu_si256((__m256i *)(vd + j), _mm512_cvtps_ph(vj, mode));
         }
 #endif
         for (; j < width; j++) {
-            kd[j] = to_half(k[j]);
-            vd[j] = to_half(v[j]);
+            kd[j] = to_half(saturate_half(k[j]));
+            vd[j] = to_half(saturate_half(v[j]));
         }
     }
     return bad;

@@ -15,6 +15,7 @@ from kernels.metadata import AttentionMetadata
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_E4M3_MAX = 448.0
+FLOAT16_MAX = 65504.0  # a float16 cache stores values saturated here (no inf)
 
 
 def write_kv(
@@ -37,6 +38,8 @@ def write_kv(
 def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale) -> None:
     kv_heads, head_dim = cache.shape[2], cache.shape[3]
     if cache.dtype not in FP8_DTYPES:
+        if cache.dtype == torch.float16:  # NOTE: saturated, as kernels/cpu_decode.c writes
+            x = x.clamp(-FLOAT16_MAX, FLOAT16_MAX)
         cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, x.to(cache.dtype))
         return
     x = x.float()

@@ -52,8 +52,9 @@ class DecodeStack:
 
     def fits(self, x: torch.Tensor, positions: torch.Tensor, num_layers: int | None) -> bool:
         """This step's batch: plain decodes only (one token per sequence, at most
-        PREFILL_ROWS rows, the products' decode path), tensors and pools the kernels
-        index, the `cpu` backend."""
+        PREFILL_ROWS rows: a32's packed products stop there; a8's go further, but the stack
+        is tested and measured up to 64), tensors and pools the kernels index, the `cpu`
+        backend."""
         ctx = get_forward_context()
         meta = ctx.attn_metadata
         rows = x.shape[0]

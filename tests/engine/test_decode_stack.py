@@ -99,8 +99,8 @@ def test_stack_equals_the_per_layer_path(llm, lens, kv_dtype):
 
 def test_steps_the_stack_does_not_take_fall_back(llm):
     """A mixed step (a prefill chunk beside decodes), the torch backend, pools of a dtype
-    the driver does not take (FP8; float16 until issue-18b's entry points are in), too many
-    rows: the per-layer path runs and the counter stays."""
+    the driver does not take (FP8, bfloat16; float16 it takes), too many rows: the per-layer
+    path runs and the counter stays."""
     runner = llm.engine.runner
     model, stack = runner.model, runner.model.decode_stack
     gen = torch.Generator().manual_seed(1)
@@ -110,9 +110,10 @@ def test_steps_the_stack_does_not_take_fall_back(llm):
     _forward(model, _copy(state), mixed[2], *mixed[:2])
     decode = _batch([20, 9], [1, 1], runner.block_size, gen)
     _forward(model, _copy(state), decode[2], *decode[:2], backend=torch_backend)
-    for dtype in (torch.float8_e4m3fn, torch.float16, torch.bfloat16):
+    for dtype, takes in ((torch.float8_e4m3fn, False), (torch.float16, True),
+                         (torch.bfloat16, False)):
         fit = stack.kernel.caches_fit([(k.to(dtype), v.to(dtype)) for k, v in state])
-        assert fit == (dtype in cpu_fused.KV_ENTRY_POINTS)
+        assert fit == takes, dtype
     assert not stack.kernel.caches_fit(state[:1])  # fewer pools than layers
     wide = _batch([3] * 65, [1] * 65, runner.block_size, gen)
     with forward_context(ForwardContext(wide[2], state, cpu_backend)):

@@ -118,7 +118,9 @@ def expected_kernels(options: dict) -> tuple[str, str]:
     a C compiler and room for dual's second copy, as `make test` sets up): the production CPU
     path, never a silent torch fallback."""
     attention = options.get("attention_backend", "cpu")
-    linear = options.get("cpu_linear", "dual")
+    # NOTE: auto on the quantized GGUF: no dense nn.Linear is left to pack, so torch
+    quantized = options.get("quantization", "auto") != "none"
+    linear = options.get("cpu_linear", "torch" if quantized else "dual")
     return attention, linear
 
 

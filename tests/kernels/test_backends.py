@@ -33,6 +33,23 @@ def test_auto_on_cpu_is_the_c_kernel_or_torch():
     assert auto_backend("mps") == "torch"
 
 
+def test_auto_on_cuda_skips_flash_attn_for_another_cache_dtype(monkeypatch):
+    """flash_attn reads a cache of the model's dtype only: under an FP8 or float16 cache of
+    another dtype, auto takes the next CUDA backend that imports."""
+    import importlib
+
+    tried = []
+
+    def fake_import(name):
+        tried.append(name)
+        return sys  # NOTE: any module: "it imports"
+
+    monkeypatch.setattr(importlib, "import_module", fake_import)
+    assert auto_backend("cuda") == "flash_attn"
+    assert auto_backend("cuda", cache_like_model=False) == "triton"
+    assert "kernels.flash_attn_backend" not in tried[1:]
+
+
 def test_kernels_work_without_triton():
     # sys.modules[name] = None makes `import name` fail, as on a machine without the package
     code = (

@@ -15,7 +15,7 @@ import torch
 from kernel_cases import TOLERANCES, check_attention, make_batch, reference
 from tiny_llama import build_tiny_llama
 
-from kernels import cc_build
+from kernels import cc_build, torch_backend
 
 try:
     from kernels import cpu_backend
@@ -79,8 +79,9 @@ def _hard_floats(n: int, seed: int) -> torch.Tensor:
 
 
 def test_f16_write_rounds_as_torch_casts():
-    """Every value written is torch's float16 cast of it, bit for bit (vector body and scalar
-    tail: width 24 = 16 + 8); slot -1 is skipped and nothing else changes."""
+    """Every value written is torch's float16 cast of it saturated at +-65504 (no inf: a later
+    request's masked p = 0 must not meet one), bit for bit (vector body and scalar tail:
+    width 24 = 16 + 8); slot -1 is skipped and nothing else changes."""
     x = _hard_floats(4096, 0)
     width = 24
     rows = x[: x.numel() // width * width].view(-1, 1, width)
@@ -91,7 +92,8 @@ def test_f16_write_rounds_as_torch_casts():
     cpu_backend.write_kv(rows, -rows, k_cache, v_cache, slots)
     flat_k, flat_v = k_cache.view(-1, width), v_cache.view(-1, width)
     keep = slots >= 0
-    want = rows[keep, 0].to(torch.float16)
+    want = rows[keep, 0].clamp(-65504.0, 65504.0).to(torch.float16)
+    assert bool(torch.isfinite(want).all()) and bool((rows.abs() >= 65520).any())
     assert torch.equal(flat_k[slots[keep]].view(torch.int16), want.view(torch.int16))
     assert torch.equal(flat_v[slots[keep]].view(torch.int16), (-want).view(torch.int16))
     untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
@@ -99,6 +101,11 @@ def test_f16_write_rounds_as_torch_casts():
     assert bool((flat_k[untouched] == 7.0).all()) and bool((flat_v[untouched] == 7.0).all())
     # and back: the decode reads exactly the float32 value of each stored half (widening)
     assert torch.equal(flat_k[slots[keep]].float(), want.float())
+    # the torch backend's writes (prefill chunks with softcaps, odd shapes): the same bits
+    k_torch, v_torch = torch.full_like(k_cache, 7.0), torch.full_like(v_cache, 7.0)
+    torch_backend.write_kv(rows, -rows, k_torch, v_torch, slots)
+    assert torch.equal(k_torch.view(torch.int16), k_cache.view(torch.int16))
+    assert torch.equal(v_torch.view(torch.int16), v_cache.view(torch.int16))
 
 
 @pytest.fixture(scope="module")
