@@ -171,7 +171,10 @@ class DecodeStack:
                         for pair in kv_caches[: self.num_layers] for c in pair))
 
     def set_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Point the layer table at these pools (caches_fit said they fit)."""
+        """Point the layer table at these pools (caches_fit said they fit).
+        NOTE: pools are known by the list object: the runner builds its list once, and swap,
+        copy-on-write and prefix caching copy into its tensors in place; whoever replaced a
+        tensor in that list would have to pass a new list (or the C side reads freed memory)."""
         if kv_caches is self._caches:
             return
         for row, (k, v) in zip(self._table, kv_caches, strict=False):

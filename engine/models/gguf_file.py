@@ -47,6 +47,14 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        try:
+            self._read()
+        except (struct.error, ValueError) as e:  # NOTE: short reads, views past the end
+            if str(e).startswith(str(self.path)):
+                raise
+            raise ValueError(f"{self.path}: a truncated or corrupt GGUF file ({e})") from e
+
+    def _read(self) -> None:
         self._map = np.memmap(self.path, mode="r")
         self._buf = memoryview(self._map)
         self._pos = len(MAGIC)
@@ -61,6 +69,8 @@ class GGUFFile:
         self.fields: dict[str, Any] = {}
         for _ in range(num_fields):
             key = self._string()
+            if key in self.fields:
+                raise ValueError(f"{self.path}: metadata key {key!r} appears twice")
             self.fields[key] = self._value(self._unpack("<I"))
         infos = [self._tensor_info() for _ in range(num_tensors)]
         align = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))

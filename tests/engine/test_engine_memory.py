@@ -4,6 +4,7 @@ cost no resident memory until a block is written, engine.allocator.untouched_zer
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,8 @@ def test_engine_pool_is_resident_only_where_requests_wrote(tiny_model_dir):
 def test_the_engine_process_reads_gguf_without_mistral_common():
     """`python -m engine` marks gguf's optional vocabulary backend absent; GGUF files still
     read (the bundled model's metadata and tensors)."""
+    # NOTE: a test dependency (make setup installs it): without it this would prove nothing
+    assert importlib.util.find_spec("mistral_common") is not None
     code = ("import sys\n"
             "from engine.__main__ import skip_unneeded_imports\n"
             "skip_unneeded_imports()\n"

@@ -49,3 +49,24 @@ def test_not_a_gguf_file(tmp_path):
     bad.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(60))
     with pytest.raises(ValueError, match="version 1"):
         GGUFFile(bad)
+
+
+def test_truncated_and_duplicate_key_files_name_the_file(tmp_path):
+    whole = bundled_gguf().read_bytes()
+    short = tmp_path / "short.gguf"
+    short.write_bytes(whole[:100_000])  # NOTE: inside the tokenizer's arrays
+    with pytest.raises(ValueError, match="short.gguf: a truncated or corrupt GGUF"):
+        GGUFFile(short)
+    short.write_bytes(whole[: len(whole) // 2])  # NOTE: the header whole, tensors cut off
+    with pytest.raises(ValueError, match="short.gguf: a truncated or corrupt GGUF"):
+        GGUFFile(short)
+
+    def kv(key: bytes, value: int) -> bytes:  # a uint32 field
+        return len(key).to_bytes(8, "little") + key + (4).to_bytes(4, "little") + \
+            value.to_bytes(4, "little")
+
+    twice = tmp_path / "twice.gguf"
+    twice.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little")
+                      + (2).to_bytes(8, "little") + kv(b"a.b", 1) + kv(b"a.b", 2))
+    with pytest.raises(ValueError, match="'a.b' appears twice"):
+        GGUFFile(twice)
