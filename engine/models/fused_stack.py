@@ -19,11 +19,12 @@ from kernels import cpu_fused
 
 
 class DecodeStack:
-    """A model's layers as one kernels/cpu_fused.py call; `calls` counts the steps it ran."""
+    """A model's layers as one kernels/cpu_fused.py call; `calls` counts the steps it ran,
+    `partial_calls` those of the first layers only (self drafts)."""
 
     def __init__(self, kernel: cpu_fused.DecodeStack) -> None:
         self.kernel = kernel
-        self.calls = 0
+        self.calls = self.partial_calls = 0
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> DecodeStack | None:
@@ -78,6 +79,8 @@ class DecodeStack:
         n = self.kernel.num_layers if num_layers is None else min(num_layers,
                                                                   self.kernel.num_layers)
         self.calls += 1
+        if n < self.kernel.num_layers:
+            self.partial_calls += 1
         return self.kernel(x, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                            rope.cos, rope.sin, n, torch.get_num_threads())
 
