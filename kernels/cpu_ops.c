@@ -60,8 +60,11 @@ void rope_f32(const float *x, int64_t x_stride, const int64_t *positions, const 
 /* out[r] = the index of the first largest value of row r (rows `stride` floats apart, n
  * values each), or of its first NaN where it has one: torch.argmax's answer. Three vectorized
  * passes (NaNs counted, the max, its first block of 64), each faster than one fused loop. */
-void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out)
+void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out,
+                     int num_threads)
 {
+    /* NOTE: rows over threads from 4 rows (a 64-row batch's logits: 12.6 MB) */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 4)
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * stride;
         int nans = 0;

@@ -38,7 +38,7 @@ def available() -> bool:
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
         lib.rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
-        lib.argmax_rows_f32.argtypes = [ptr, i64, i64, i64, ptr]
+        lib.argmax_rows_f32.argtypes = [ptr, i64, i64, i64, ptr, i32]
         lib.add_rms_norm_f32.restype = lib.rope_f32.restype = lib.argmax_rows_f32.restype = None
         _lib = lib
     return _lib is not None
@@ -101,5 +101,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
             and x.stride(1) == 1 and x.shape[1] > 0 and available()):
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    _lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    _lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+                         torch.get_num_threads())
     return out
