@@ -264,13 +264,21 @@ attend16(const Shape *c, int h, const float *qs, int first, int last, float *acc
             const int nt = n - t0 < 16 ? n - t0 : 16;
             const int64_t kb = base + t0 * tok_stride; /* element index of token t0 */
             float p[G][16];
+            /* NOTE: a float16 chunk's keys widened once for the whole group (a widening is
+             * two uops: widened per query row, they were the largest part of the work) */
+            v16 kf[F16 ? 16 : 1][HD / 16];
+            if (F16)
+                for (int t = 0; t < nt; t++)
+                    for (int j = 0; j < HD / 16; j++)
+                        kf[t][j] = load16(c->k_cache, kb + t * tok_stride + 16 * j, F16);
             for (int g = 0; g < G; g++) {
                 v16 part[16];
                 for (int t = 0; t < 16; t++) {
                     v16 s = {0};
                     if (t < nt)
                         for (int j = 0; j < HD / 16; j++)
-                            s += q[g][j] * load16(c->k_cache, kb + t * tok_stride + 16 * j, F16);
+                            s += q[g][j] * (F16 ? kf[t][j] : load16(c->k_cache,
+                                                                    kb + t * tok_stride + 16 * j, 0));
                     part[t] = s;
                 }
                 v16 sc = hsum16(part);
