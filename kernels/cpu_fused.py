@@ -22,12 +22,9 @@ NUMERICS = {"a32": 0, "a8": 1}
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
-# The KV pool dtypes the driver takes, each with cpu_decode.c's (KV write, decode) entry
-# points and the driver's slots for them (the float16 ones: the f32 functions' arguments over
-# uint16_t pools, `--kv-cache-dtype float16`).
-KV_ENTRY_POINTS = {torch.float32: (("write_kv_f32", "paged_decode_f32"), ("write_kv", "decode")),
-                   torch.float16: (("write_kv_f16", "paged_decode_f16"),
-                                   ("write_kv_f16", "decode_f16"))}
+# The KV pool dtypes the driver takes -> its (KV write, decode) slots, filled from
+# kernels/cpu_backend.py's own entry points for that dtype (_WRITE_KV, _DECODE).
+KV_SLOTS = {torch.float32: ("write_kv", "decode"), torch.float16: ("write_kv_f16", "decode_f16")}
 
 
 class _Kernels(ctypes.Structure):
@@ -76,17 +73,16 @@ def available() -> bool:
             _ptr, _ptr, _ptr, ctypes.c_int]
         lib.fused_decode_stack.restype = ctypes.c_int
         # NOTE: the cached libraries again (dlopen of a loaded path returns the loaded one)
-        ops, quant, decode = (cc_build.build(m.SOURCE, m.FLAGS)
-                              for m in (cpu_ops, cpu_quant, cpu_backend))
+        ops, quant = (cc_build.build(m.SOURCE, m.FLAGS) for m in (cpu_ops, cpu_quant))
 
         def addr(f) -> int:
             return ctypes.cast(f, _ptr).value
 
         _kernels = _Kernels(addr(ops.add_rms_norm_f32), addr(ops.rope_f32),
                             addr(quant.quant_matmul_packed), addr(quant.quant_mlp_packed))
-        for (write, attend), (write_slot, attend_slot) in KV_ENTRY_POINTS.values():
-            setattr(_kernels, write_slot, addr(getattr(decode, write)))
-            setattr(_kernels, attend_slot, addr(getattr(decode, attend)))
+        for dtype, (write_slot, attend_slot) in KV_SLOTS.items():
+            setattr(_kernels, write_slot, addr(cpu_backend._WRITE_KV[dtype]))
+            setattr(_kernels, attend_slot, addr(cpu_backend._DECODE[dtype]))
         _lib = lib
     return _lib is not None
 
@@ -145,7 +141,7 @@ class DecodeStack:
 
     def caches_fit(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Contiguous CPU pools [blocks, block_size, kv_heads, head_dim] of a dtype in
-        KV_ENTRY_POINTS, one per layer, of one shape and dtype, in sizes the decode kernel
+        KV_SLOTS, one per layer, of one shape and dtype, in sizes the decode kernel
         takes (kernels/cpu_backend.py's limits)."""
         if kv_caches is self._caches:
             return True
@@ -164,7 +160,7 @@ class DecodeStack:
         shape, dtype = kv_caches[0][0].shape, kv_caches[0][0].dtype
         group = s.heads // s.kv_heads
         return (len(shape) == 4 and tuple(shape[2:]) == (s.kv_heads, s.head_dim)
-                and dtype in KV_ENTRY_POINTS and shape[1] <= MAX_BLOCK
+                and dtype in KV_SLOTS and shape[1] <= MAX_BLOCK
                 and group <= MAX_GROUP and group * s.head_dim <= MAX_ROWS
                 and all(c.dtype == dtype and c.device.type == "cpu"
                         and c.is_contiguous() and c.shape == shape

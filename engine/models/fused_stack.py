@@ -3,7 +3,7 @@ Llama-layout models whose projections are all packed quantized layers.
 
 `DecodeStack.build(model)` says whether a model qualifies (else None: its layers always run
 one by one); `fits` decides per step (every row one token, KV pools of a dtype the driver
-takes: kernels/cpu_fused.py's KV_ENTRY_POINTS, the `cpu` attention backend), and the
+takes: kernels/cpu_fused.py's KV_SLOTS, the `cpu` attention backend), and the
 per-layer path runs whatever it does not take: prefill and mixed steps, speculative
 verification, the FP8 cache, the torch backend.
 """

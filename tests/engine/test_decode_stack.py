@@ -69,7 +69,7 @@ def _copy(caches):
     return [(k.clone(), v.clone()) for k, v in caches]
 
 
-@pytest.mark.parametrize("kv_dtype", list(cpu_fused.KV_ENTRY_POINTS))
+@pytest.mark.parametrize("kv_dtype", list(cpu_fused.KV_SLOTS))
 @pytest.mark.parametrize("lens", [[1], [40], [1, 17, 40, 100], [16, 33, 250, 2, 64, 5, 129]])
 def test_stack_equals_the_per_layer_path(llm, lens, kv_dtype):
     """Same model, same KV state: the same hidden states and KV writes, for each pool dtype
