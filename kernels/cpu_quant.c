@@ -832,22 +832,15 @@ T5 void ptile_a32(int type, const int RT, const uint8_t *tile, int64_t G, const 
                                             _mm512_add_ps(acc[t][2], acc[t][3])));
 }
 
-#define PTILES(FN, T, ...)                                                                    \
+/* Rows r0.. of one tile in register tiles of up to MAXRT rows (4 or 8), the rest 3, 2, 1.
+ * NOTE: a8 takes 8-row tiles for Q4_0/Q4_1: the unpacked 4-bit weights serve twice the rows
+ * (576 -> 3072 Q4_1, 64 rows: 0.27-0.29 ms against 0.31-0.32 with 4-row tiles); Q8_0's eight
+ * raw weight registers leave too few for 8 rows (its 64-row head product went from 5.5 to
+ * 5.9-6.4 ms), so it keeps 4-row tiles, as a32 does. MAXRT is a constant: where it is 4 the
+ * 8-row call is compiled out (ptile_a32's accumulators hold 4 rows). */
+#define PTILES(MAXRT, FN, T, ...)                                                             \
     for (int64_t r0 = 0; r0 < M;) {                                                           \
-        switch (M - r0 >= 4 ? 4 : M - r0) {                                                   \
-        case 4: FN(T, 4, __VA_ARGS__); r0 += 4; break;                                        \
-        case 3: FN(T, 3, __VA_ARGS__); r0 += 3; break;                                        \
-        case 2: FN(T, 2, __VA_ARGS__); r0 += 2; break;                                        \
-        default: FN(T, 1, __VA_ARGS__); r0 += 1; break;                                       \
-        }                                                                                     \
-    }
-/* a8 with 8-row register tiles first: the unpacked 4-bit weights serve twice the rows
- * (576 -> 3072 Q4_1, 64 rows: 0.289-0.292 ms against 0.313-0.318 with 4-row tiles; Q8_0's
- * eight raw weight registers leave too few for 8 rows: its 64-row head product went from
- * 5.5 to 5.9-6.4 ms, so Q8_0 keeps 4-row tiles) */
-#define PTILES8(FN, T, ...)                                                                   \
-    for (int64_t r0 = 0; r0 < M;) {                                                           \
-        if (M - r0 >= 8) { FN(T, 8, __VA_ARGS__); r0 += 8; continue; }                        \
+        if ((MAXRT) >= 8 && M - r0 >= 8) { FN(T, 8, __VA_ARGS__); r0 += 8; continue; }        \
         switch (M - r0 >= 4 ? 4 : M - r0) {                                                   \
         case 4: FN(T, 4, __VA_ARGS__); r0 += 4; break;                                        \
         case 3: FN(T, 3, __VA_ARGS__); r0 += 3; break;                                        \
@@ -862,12 +855,10 @@ T5F static void ptile_rows(int type, int numerics, const uint8_t *tile, int64_t 
 {
 #define PCASE(T)                                                                              \
     case T:                                                                                   \
-        if (numerics == NUM_A8 && T != T_Q8_0)                                                \
-            PTILES8(ptile_a8, T, tile, G, K, qa, r0, out, os, valid)                          \
-        else if (numerics == NUM_A8)                                                          \
-            PTILES(ptile_a8, T, tile, G, K, qa, r0, out, os, valid)                           \
+        if (numerics == NUM_A8)                                                               \
+            PTILES(T == T_Q8_0 ? 4 : 8, ptile_a8, T, tile, G, K, qa, r0, out, os, valid)      \
         else                                                                                  \
-            PTILES(ptile_a32, T, tile, G, x, xs, r0, out, os, valid)                          \
+            PTILES(4, ptile_a32, T, tile, G, x, xs, r0, out, os, valid)                       \
         break;
     switch (type) {
         PCASE(T_Q4_0) PCASE(T_Q4_1) PCASE(T_Q8_0)
