@@ -38,3 +38,10 @@ def test_a_simd_path_the_cpu_has_cannot_be_skipped() -> None:
             with pytest.raises(pytest.skip.Exception):
                 c_build.require_isa(isa, supported=False)
         c_build.require_isa(isa, supported=True)  # supported: neither
+
+
+@pytest.mark.skipif(not c_build.REQUIRED, reason="the C build is optional off x86-64 Linux")
+def test_unreadable_cpu_flags_fail_instead_of_skipping(monkeypatch) -> None:
+    monkeypatch.setattr(c_build, "cpu_flags", lambda: None)
+    with pytest.raises(pytest.fail.Exception, match="no flags to confirm"):
+        c_build.require_isa("avx512", supported=False)

@@ -12,6 +12,7 @@ import c_build
 import numpy as np
 import pytest
 import torch
+from agreement import greedy_agreement
 from kernel_cases import TOLERANCES, check_attention, make_batch, reference
 from tiny_llama import build_tiny_llama
 
@@ -189,16 +190,7 @@ def test_engine_f16_cache_is_close_to_float32(head64_model_dir, capsys):
     assert llm16.engine.runner.kv_caches[0][0].dtype == torch.float16
     del llm16
     _, f32 = _greedy(head64_model_dir, "auto")
-    same = total = 0
-    worst = 0.0
-    for x, y in zip(f16, f32, strict=True):
-        for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids, strict=True)):
-            if s != t:
-                break
-            same += 1
-            common = x.logprobs[i].keys() & y.logprobs[i].keys()
-            worst = max(worst, *(abs(x.logprobs[i][k] - y.logprobs[i][k]) for k in common))
-        total += len(y.token_ids)
+    same, total, worst = greedy_agreement(f16, f32)
     with capsys.disabled():
         print(f"\nfloat16 vs float32 KV (tiny head-64 Llama): {same}/{total} greedy tokens "
               f"agree before the first difference; max top-5 log-prob difference {worst:.2e}")
