@@ -10,13 +10,17 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import httpx
+import uvloop
 
 from bench.metrics import RequestRecord
 from bench.workloads import RequestSpec
+
+T = TypeVar("T")
 
 # NOTE: common one-token English words: a prompt of n of them is about n BPE tokens.
 _WORDS = (
@@ -37,6 +41,17 @@ class Target:
     ignore_eos: bool = True
     timeout: float = 300.0
     extra_body: tuple[tuple[str, object], ...] = ()  # more request fields (a peer's own)
+
+
+def run_client(main: Coroutine[Any, Any, T]) -> T:
+    """Runs the load generator's coroutine on uvloop.
+
+    NOTE: the client shares the machine's cores with the server it measures, and its CPU
+    grows with the tokens streamed: on 2 cores, 64 streams of 128 + 128 tokens against
+    pagedserve (a8, float16 KV), the client took 0.76 s of CPU per 8192-token wave on
+    asyncio's own loop and 0.62 s on uvloop (the gateway already runs on uvloop).
+    """
+    return uvloop.run(main)
 
 
 def make_prompt(n_words: int, rng: random.Random) -> str:

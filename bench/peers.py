@@ -21,7 +21,6 @@ against llama.cpp and against float32 pagedserve from the same run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.loadgen import Target, make_prompt, run_concurrency
+from bench.loadgen import Target, make_prompt, run_client, run_concurrency
 from bench.metrics import SLO, summarize
 from bench.serve import free_port
 from bench.workloads import RequestSpec
@@ -180,7 +179,7 @@ def bench_server(kind: str, args: argparse.Namespace, url: str | None = None) ->
         ready = time.monotonic() - start
         by_process = process_rss(proc.pid) if proc else {}
         with RssSampler(proc.pid if proc else os.getpid()) as rss:
-            points = asyncio.run(run_points(url, kind, args))
+            points = run_client(run_points(url, kind, args))
             rss.sample()  # NOTE: the end of the last point too, whatever the interval
         return {"server": kind, "url": url, "time_to_ready_s": ready if proc else None,
                 "rss_ready_bytes": sum(by_process.values()) if proc else None,

@@ -10,7 +10,6 @@ bench/hf_static_server.py (static batching over HF transformers) and runs the sa
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import os
@@ -25,7 +24,7 @@ import httpx
 from tqdm import tqdm
 
 from bench import plots
-from bench.loadgen import Target, make_prompt, run_concurrency, run_poisson
+from bench.loadgen import Target, make_prompt, run_client, run_concurrency, run_poisson
 from bench.metrics import SLO, summarize
 from bench.procs import stop, wait_health
 from bench.workloads import DISTRIBUTIONS, RequestSpec, make_workload
@@ -177,13 +176,13 @@ def main(argv: list[str] | None = None) -> dict:
             "seed": args.seed, "max_prompt_len": args.max_prompt_len,
             "max_output_len": args.max_output_len, "api": args.api,
             "baseline_batch_size": args.baseline_batch_size if args.baseline != "none" else None}
-    systems = {args.label: asyncio.run(sweep(args, args.url.rstrip("/"), args.label))}
+    systems = {args.label: run_client(sweep(args, args.url.rstrip("/"), args.label))}
     if args.baseline == "hf-static" and args.baseline_url:
-        systems["hf-static"] = asyncio.run(sweep(args, args.baseline_url.rstrip("/"), "hf-static"))
+        systems["hf-static"] = run_client(sweep(args, args.baseline_url.rstrip("/"), "hf-static"))
     elif args.baseline == "hf-static":
         with baseline_server(args.baseline_model, args.baseline_batch_size,
                              num_threads=args.baseline_num_threads) as url:
-            systems["hf-static"] = asyncio.run(sweep(args, url, "hf-static"))
+            systems["hf-static"] = run_client(sweep(args, url, "hf-static"))
     meta["load_avg_after"] = os.getloadavg()
     result = {"meta": meta, "systems": systems}
     if "hf-static" in systems:

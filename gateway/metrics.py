@@ -149,10 +149,16 @@ class _Histograms:
         self.vllm = Histogram(f"vllm:{name}", help_text, ["model_name"], buckets=buckets,
                               registry=registry)
         self._model = model
+        self._child: tuple[str, Histogram] | None = None  # (model name, its labelled series)
 
     def observe(self, value: float) -> None:
         self.ours.observe(value)
-        self.vllm.labels(model_name=self._model() or "").observe(value)
+        # NOTE: the labelled series kept while the model name holds: `labels()` takes a lock
+        # and a dict lookup per call, and the inter-token histogram is observed per token
+        name = self._model() or ""
+        if self._child is None or self._child[0] != name:
+            self._child = (name, self.vllm.labels(model_name=name))
+        self._child[1].observe(value)
 
 
 _VLLM_SUCCESS = ("stop", "length", "abort")  # vLLM counts these finishes as successes
