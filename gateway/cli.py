@@ -21,7 +21,7 @@ import structlog
 import uvicorn
 
 from gateway.app import build_app
-from gateway.read_timeouts import timed_h11_protocol
+from gateway.read_timeouts import timed_protocol
 from gateway.service import Gateway, GatewaySettings
 from gateway.tool_calls import PARSERS
 from gateway.tracing import traces_url
@@ -241,7 +241,7 @@ async def serve(ns: argparse.Namespace) -> int:
     config = uvicorn.Config(build_app(client, gateway=gateway), host=ns.host, port=ns.port,
                             lifespan="off", access_log=False, log_level=ns.log_level,
                             ws="websockets", timeout_graceful_shutdown=5,
-                            http=timed_h11_protocol(ns.header_timeout, ns.body_timeout),
+                            http=timed_protocol(ns.header_timeout, ns.body_timeout),
                             ws_max_size=ns.max_body_bytes)
     notifier = Notifier()
     drainer = _Drainer(gateway, ns.shutdown_timeout, notifier)
