@@ -32,7 +32,14 @@ from pathlib import Path
 
 import httpx
 
-from bench.loadgen import Target, make_prompt, run_client, run_concurrency
+from bench.loadgen import (
+    Target,
+    client_session,
+    first_model,
+    make_prompt,
+    run_client,
+    run_concurrency,
+)
 from bench.metrics import SLO, summarize
 from bench.serve import free_port
 from bench.workloads import RequestSpec
@@ -140,8 +147,8 @@ def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float) -> None:
 
 
 async def run_points(url: str, kind: str, args: argparse.Namespace) -> list[dict]:
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
-        model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+    async with client_session() as client:
+        model = await first_model(client, url)
         extra = (("logit_bias", {str(args.eos_token_id): -100}),) if kind == "llama.cpp" else ()
         target = Target(url, model, "completions", kind != "llama.cpp", extra_body=extra)
         spec = RequestSpec(args.prompt_len, args.output_len)

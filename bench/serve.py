@@ -20,11 +20,18 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 from tqdm import tqdm
 
 from bench import plots
-from bench.loadgen import Target, make_prompt, run_client, run_concurrency, run_poisson
+from bench.loadgen import (
+    Target,
+    client_session,
+    first_model,
+    make_prompt,
+    run_client,
+    run_concurrency,
+    run_poisson,
+)
 from bench.metrics import SLO, summarize
 from bench.procs import stop, wait_health
 from bench.workloads import DISTRIBUTIONS, RequestSpec, make_workload
@@ -82,8 +89,8 @@ def build_jobs(args: argparse.Namespace) -> list[tuple[str, RequestSpec]]:
 
 async def sweep(args: argparse.Namespace, base_url: str, label: str) -> dict:
     """Every load point against one server, in order: rates, then concurrencies."""
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as client:
-        model = args.model or await _first_model(client, base_url)
+    async with client_session() as client:
+        model = args.model or await first_model(client, base_url)
         target = Target(base_url, model, args.api, args.ignore_eos)
         jobs = build_jobs(args)
         slo = SLO(args.slo_ttft, args.slo_itl)
@@ -99,12 +106,6 @@ async def sweep(args: argparse.Namespace, base_url: str, label: str) -> dict:
                                                    args.drain_timeout, tick)
             out["concurrency"].append({"concurrency": int(conc), **summarize(recs, secs, slo)})
         return out
-
-
-async def _first_model(client: httpx.AsyncClient, base_url: str) -> str:
-    resp = await client.get(base_url + "/v1/models", timeout=30)
-    resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
 
 
 @contextmanager
