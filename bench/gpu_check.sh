@@ -10,7 +10,7 @@
 #
 # Runs from a bare checkout: PYTHONPATH, no install. It uses the machine's own torch, triton and
 # transformers. What the engine needs beyond them and a GPU image may lack (the lent H200 has
-# none of these: msgspec, pyzmq, starlette, uvicorn, websockets, structlog, gguf, openai and
+# none of these: msgspec, pyzmq, starlette, uvicorn, httptools, websockets, structlog, gguf, openai and
 # the openai client's own needs) is installed, if the folder .whl/ holds their wheels, into
 # /tmp/pagedserve-site with `pip install --no-index --no-deps --target` (nothing is fetched
 # there). `--fetch-wheels` fills .whl/ here: the versions of this checkout's .venv, for CPython
@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 WHEELS=${GPU_CHECK_WHEELS:-.whl}
 # NOTE: the engine's and the openai client's packages the GPU image lacks (pinned below to the
 # versions of this checkout's .venv, so the check runs what CI tests)
-PACKAGES="msgspec pyzmq starlette uvicorn websockets structlog gguf openai httpx2 httpcore2 \
+PACKAGES="msgspec pyzmq starlette uvicorn httptools websockets structlog gguf openai httpx2 httpcore2 \
 truststore pydantic pydantic_core typing_inspection annotated_types jiter sniffio \
 typing_extensions"
 

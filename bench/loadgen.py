@@ -39,7 +39,7 @@ class Target:
     model: str
     api: str = "chat"  # "chat" or "completions"
     ignore_eos: bool = True
-    timeout: float = 300.0
+    timeout: float = 300.0  # the connect, and each wait for the server's next bytes
     extra_body: tuple[tuple[str, object], ...] = ()  # more request fields (a peer's own)
 
 
@@ -97,8 +97,11 @@ async def send_one(session: aiohttp.ClientSession, target: Target, prompt: str,
     rec = RequestRecord()
     start = time.perf_counter()
     try:
-        async with session.post(target.base_url + path,
-                                timeout=aiohttp.ClientTimeout(total=target.timeout),
+        # NOTE: target.timeout bounds the connect and each wait for bytes, not the whole
+        # stream (as httpx's timeout did)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=target.timeout,
+                                        sock_read=target.timeout)
+        async with session.post(target.base_url + path, timeout=timeout,
                                 json=request_body(target, prompt, spec)) as resp:
             if resp.status != 200:
                 await resp.read()
@@ -111,6 +114,8 @@ async def send_one(session: aiohttp.ClientSession, target: Target, prompt: str,
         rec.error = "connect"
     except aiohttp.ClientError as exc:
         rec.error = type(exc).__name__
+    except (ValueError, aiohttp.http_exceptions.HttpProcessingError):
+        rec.error = "bad_stream"  # NOTE: e.g. an SSE line longer than the read buffer
     except asyncio.CancelledError:
         rec.error = "unfinished"  # NOTE: still running at the point's time bound
     rec.ok = rec.error is None

@@ -769,7 +769,7 @@ T5 void ptile_a8(int type, const int RT, const uint8_t *tile, const uint8_t *nex
         /* NOTE: the next tile's group fetched into L2 on the first row pass: the stack's
          * weights come from DRAM each step (30 MLPs of 64 rows: 14.95-16.29 ms against
          * 16.29-17.35; a decode step at 64 streams 44.1-44.8 against 47.1-48.2 ms) */
-        if (next)
+        if (next && r0 == 0)
             for (int64_t b = 0; b < gb; b += 64)
                 __builtin_prefetch(next + g * gb + b, 0, 2);
         __m512 d, m;
@@ -808,7 +808,7 @@ T5 void ptile_a32(int type, const int RT, const uint8_t *tile, const uint8_t *ne
     const __m512i mask = _mm512_set1_epi32(type == T_Q8_0 ? 0xFF : 0x0F);
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *p = tile + g * gb;
-        if (next)
+        if (next && r0 == 0) /* as ptile_a8 does */
             for (int64_t b = 0; b < gb; b += 64)
                 __builtin_prefetch(next + g * gb + b, 0, 2);
         __m512 d, m;
@@ -860,17 +860,15 @@ T5 void ptile_a32(int type, const int RT, const uint8_t *tile, const uint8_t *ne
     }
 
 T5F static void ptile_rows(int type, int numerics, const uint8_t *tile, const uint8_t *next,
-                           int64_t G, int64_t K,
-                           const float *x, int64_t xs, const QAct *qa, int64_t M, float *out,
-                           int64_t os, __mmask16 valid)
+                           int64_t G, int64_t K, const float *x, int64_t xs, const QAct *qa,
+                           int64_t M, float *out, int64_t os, __mmask16 valid)
 {
 #define PCASE(T)                                                                              \
     case T:                                                                                   \
         if (numerics == NUM_A8)                                                               \
-            PTILES(T == T_Q8_0 ? 4 : 8, ptile_a8, T, tile, r0 ? NULL : next, G, K, qa, r0,    \
-                   out, os, valid)                                                            \
+            PTILES(T == T_Q8_0 ? 4 : 8, ptile_a8, T, tile, next, G, K, qa, r0, out, os, valid) \
         else                                                                                  \
-            PTILES(4, ptile_a32, T, tile, r0 ? NULL : next, G, x, xs, r0, out, os, valid)     \
+            PTILES(4, ptile_a32, T, tile, next, G, x, xs, r0, out, os, valid)                 \
         break;
     switch (type) {
         PCASE(T_Q4_0) PCASE(T_Q4_1) PCASE(T_Q8_0)

@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 from aiohttp import web
 
-from bench.loadgen import Target, client_session, first_model, run_concurrency, send_one
+from bench.loadgen import (
+    Target,
+    client_session,
+    first_model,
+    run_client,
+    run_concurrency,
+    send_one,
+)
 from bench.workloads import RequestSpec
 
 
@@ -48,7 +56,7 @@ async def _with_server(body) -> None:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # NOTE: port 0: the kernel picked it
+    port = runner.addresses[0][1]  # NOTE: port 0: the kernel picked it
     try:
         await body(f"http://127.0.0.1:{port}")
     finally:
@@ -78,12 +86,21 @@ def test_each_reply_kind_is_recorded() -> None:
     asyncio.run(_with_server(body))
 
 
-def test_a_refused_connection_is_recorded_not_raised() -> None:
+def test_a_refused_connection_and_a_silent_server_are_recorded_not_raised() -> None:
+    with socket.socket() as probe:  # NOTE: a port just freed: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+
     async def body() -> None:
         async with client_session() as session:
-            # NOTE: port 1 on 127.0.0.1: nothing listens there
-            rec = await send_one(session, Target("http://127.0.0.1:1", "m", "completions"),
+            rec = await send_one(session, Target(f"http://127.0.0.1:{free}", "m", "completions"),
                                  "x", RequestSpec(1, 1))
             assert not rec.ok and rec.error == "connect"
+        silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = silent.sockets[0].getsockname()[1]
+        async with silent, client_session() as session:
+            target = Target(f"http://127.0.0.1:{port}", "m", "completions", timeout=0.5)
+            rec = await send_one(session, target, "x", RequestSpec(1, 1))
+            assert not rec.ok and rec.error == "timeout"
 
-    asyncio.run(body())
+    run_client(body())
