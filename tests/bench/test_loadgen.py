@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 from aiohttp import web
 
@@ -17,6 +16,7 @@ from bench.loadgen import (
     run_concurrency,
     send_one,
 )
+from bench.serve import free_port
 from bench.workloads import RequestSpec
 
 
@@ -87,9 +87,7 @@ def test_each_reply_kind_is_recorded() -> None:
 
 
 def test_a_refused_connection_and_a_silent_server_are_recorded_not_raised() -> None:
-    with socket.socket() as probe:  # NOTE: a port just freed: nothing listens there
-        probe.bind(("127.0.0.1", 0))
-        free = probe.getsockname()[1]
+    free = free_port()  # NOTE: a port just freed: nothing listens there
 
     async def body() -> None:
         async with client_session() as session:
