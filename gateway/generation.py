@@ -81,6 +81,8 @@ class Job:
     index_base: int = 0  # the response's index of choice 0 (batched prompts: p * n)
     show_prompt_logprobs: bool = False  # the client asked vLLM's prompt_logprobs
     tool_parser: Callable[[], Any] | None = None  # splits replies into content and tool calls
+    # splits replies into reasoning and answer (gateway/choice_events.py ReasoningParser)
+    reasoning_parser: Callable[[], Any] | None = None
 
 
 @dataclass
