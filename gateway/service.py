@@ -51,6 +51,10 @@ class GatewaySettings:
     # how replies are split into content and tool calls: auto (from the chat template),
     # hermes, llama3_json or mistral (gateway/tool_parsers.py)
     tool_call_parser: str = "auto"
+    # /v1/responses with store: true (gateway/api/response_store.py): a memory budget in MiB
+    # (0: keep none) and an age in seconds
+    responses_store_mib: int = 64
+    responses_store_ttl: float = 3600.0
 
     def __post_init__(self) -> None:
         interval = self.sse_keepalive_interval
@@ -58,6 +62,8 @@ class GatewaySettings:
             raise ValueError("sse_keepalive_interval must be > 0 (or None: no keep-alive)")
         if self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}")
+        if self.responses_store_mib < 0 or not self.responses_store_ttl > 0:
+            raise ValueError("responses_store_mib must be >= 0 and responses_store_ttl > 0")
 
 
 def _engine_exception_types() -> tuple[type[BaseException], ...]:
