@@ -68,8 +68,8 @@ class ResponseWriter:
     def finish(self, reason: str | None) -> list[bytes]:
         """Close the open item and end with response.completed / .incomplete / .failed."""
         reason = self._events.finish_reason(reason)
-        if self._blank and not self.response.output:
-            self._text(self._blank)  # NOTE: a reply of only whitespace is still the reply
+        if not self.response.output:
+            self._text(self._blank)  # NOTE: a reply of only whitespace (or none) is a message
         incomplete = reason == FINISH_LENGTH
         self._close("incomplete" if incomplete else "completed")
         r = self.response
@@ -139,6 +139,8 @@ class ResponseWriter:
             self._part_added(OutputText(""))
         item = self._open
         assert isinstance(item, MessageItem)
+        if not text:
+            return
         item.content[0].text += text
         self._emit("response.output_text.delta", item_id=item.id,
                    output_index=len(self.response.output) - 1, content_index=0, delta=text,

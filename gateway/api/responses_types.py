@@ -152,6 +152,9 @@ OutputItem = MessageItem | FunctionCallItem | ReasoningItem
 
 class InputTokensDetails(msgspec.Struct):
     cached_tokens: int  # input tokens served from the prefix cache
+    # NOTE: OpenAI's count of explicit (paid, with a TTL) cache writes, required by its
+    # current types; the prefix cache here is implicit, so none
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(msgspec.Struct):
