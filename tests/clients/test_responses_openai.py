@@ -6,6 +6,7 @@ GET / DELETE / 404, refused fields in OpenAI's error shape, and a disconnect tha
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -195,12 +196,23 @@ def test_not_json_and_a_missing_input_are_400s(server_url: str) -> None:
         assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
 
 
+def _engine_tokens(url: str) -> float:
+    """Tokens the engine has sampled (its own cumulative count)."""
+    text = httpx.get(f"{url}/metrics").text
+    [value] = re.findall(r'^vllm:generation_tokens_total\{model_name="[^"]*"\} (\S+)$', text,
+                         re.M)
+    return float(value)
+
+
 def test_a_disconnect_mid_stream_aborts_the_request(server_url: str) -> None:
-    body = {"model": MODEL_NAME, "input": "Tell me a story", "max_output_tokens": 3000,
+    most = 4000  # NOTE: the context (4096) less the prompt: the engine stops there at the latest
+    before = _engine_tokens(server_url)
+    body = {"model": MODEL_NAME, "input": "Tell me a story", "max_output_tokens": most,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server_url}/v1/responses", json=body, timeout=60) as reply:
         lines = reply.iter_lines()
         while "response.output_text.delta" not in next(lines):
             pass
         assert metric(server_url, "pagedserve_requests_running") == 1
-    assert wait_idle(server_url, timeout=30) == 0
+    assert wait_idle(server_url, timeout=120) == 0
+    assert _engine_tokens(server_url) - before < most  # it ended before its max: aborted
