@@ -11,6 +11,7 @@ import re
 import httpx
 import jsonschema
 import openai
+import pagedserve_client as ps
 import pydantic
 import pytest
 from openai.types.responses import (
@@ -216,3 +217,38 @@ def test_a_disconnect_mid_stream_aborts_the_request(server_url: str) -> None:
         assert metric(server_url, "pagedserve_requests_running") == 1
     assert wait_idle(server_url, timeout=120) == 0
     assert _engine_tokens(server_url) - before < most  # it ended before its max: aborted
+
+
+async def test_pagedserve_sdk_responses(server_url: str, client: openai.OpenAI) -> None:
+    """pagedserve's own SDK: the same response as openai's, streamed and not, sync and async."""
+    reference = client.responses.create(model=MODEL_NAME, input="Hi there", max_output_tokens=5,
+                                        **GREEDY)
+    with ps.Client(server_url, max_retries=0) as sdk:
+        reply = sdk.responses.create(input="Hi there", max_output_tokens=5, temperature=0,
+                                     ignore_eos=True)
+        assert reply.status == "incomplete" and reply.output_text == reference.output_text
+        assert reply.usage.input_tokens == reference.usage.input_tokens
+        with sdk.responses.create(input="Hi there", max_output_tokens=5, temperature=0,
+                                  ignore_eos=True, stream=True) as stream:
+            events = list(stream)
+        assert stream.request_id == events[0].response.id
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+            reference.output_text == events[-1].response.output_text
+        assert sdk.responses.retrieve(reply.id).output_text == reply.output_text
+        assert sdk.responses.delete(reply.id).deleted
+        with pytest.raises(ps.NotFoundError):
+            sdk.responses.retrieve(reply.id)
+    async with ps.AsyncClient(server_url, max_retries=0) as sdk:
+        tool = await sdk.responses.create(input="Weather?", tools=[WEATHER], temperature=0,
+                                          tool_choice="required", max_output_tokens=80)
+        [call] = tool.output
+        assert call.type == "function_call" and call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+        stream = await sdk.responses.create(input="Hi there", max_output_tokens=5, stream=True,
+                                            temperature=0, ignore_eos=True)
+        async with stream:
+            kinds = [e.type async for e in stream]
+        assert kinds[-1] == "response.incomplete"
+        with pytest.raises(ps.BadRequestError):
+            await sdk.responses.create(input="Hi", background=True)
