@@ -159,7 +159,8 @@ def _tool_choice(choice: str | dict | None) -> ToolChoice | None:
     if choice is None or choice in ("none", "auto", "required"):
         return choice  # type: ignore[return-value]
     if isinstance(choice, dict) and choice.get("type") == "function":
-        name = choice.get("name") or (choice.get("function") or {}).get("name")
+        function = choice.get("function")  # NOTE: chat's shape, accepted too
+        name = choice.get("name", function.get("name") if isinstance(function, dict) else None)
         if isinstance(name, str):
             return NamedToolChoice("function", NamedFunction(name))
     kind = choice.get("type") if isinstance(choice, dict) else choice

@@ -117,21 +117,20 @@ class OutputText(msgspec.Struct):
     logprobs: list[Any] = msgspec.field(default_factory=list)
 
 
-class MessageItem(msgspec.Struct):
+# NOTE: output items are tagged by `type` (msgspec writes it first), as OpenAI's are
+class MessageItem(msgspec.Struct, tag_field="type", tag="message"):
     id: str
     content: list[OutputText]
     status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
     role: Literal["assistant"] = "assistant"
-    type: Literal["message"] = "message"
 
 
-class FunctionCallItem(msgspec.Struct):
+class FunctionCallItem(msgspec.Struct, tag_field="type", tag="function_call"):
     id: str
     call_id: str
     name: str
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
-    type: Literal["function_call"] = "function_call"
 
 
 class ReasoningText(msgspec.Struct):
@@ -139,12 +138,11 @@ class ReasoningText(msgspec.Struct):
     type: Literal["reasoning_text"] = "reasoning_text"
 
 
-class ReasoningItem(msgspec.Struct):
+class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning"):
     id: str
     content: list[ReasoningText]
     summary: list[Any] = msgspec.field(default_factory=list)
     status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
-    type: Literal["reasoning"] = "reasoning"
 
 
 OutputItem = MessageItem | FunctionCallItem | ReasoningItem
