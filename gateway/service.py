@@ -20,6 +20,8 @@ from gateway.errors import ApiError, unavailable
 from gateway.generation import EngineClientLike, Generation, Job
 from gateway.metrics import Metrics
 from gateway.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, to_sampling
+from gateway.reasoning import REASONING_PARSERS
+from gateway.reasoning.think import ThinkParser
 from gateway.structured import CallSyntax, structured_for, tool_choice_of
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calls import PARSERS, detect_parser, parser_for, template_messages
@@ -51,6 +53,8 @@ class GatewaySettings:
     # how replies are split into content and tool calls: auto (from the chat template),
     # hermes, llama3_json or mistral (gateway/tool_parsers.py)
     tool_call_parser: str = "auto"
+    # splits chat replies into reasoning and answer: None (off) or a gateway/reasoning name
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         interval = self.sse_keepalive_interval
@@ -58,6 +62,8 @@ class GatewaySettings:
             raise ValueError("sse_keepalive_interval must be > 0 (or None: no keep-alive)")
         if self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
 
 
 def _engine_exception_types() -> tuple[type[BaseException], ...]:
@@ -172,6 +178,10 @@ class Gateway:
             # NOTE: the parser finds calls by their opening's text, which a special token
             # only has when special tokens are kept (as vLLM does for Mistral)
             sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
+        reasoning = self._reasoning_parser(request, prompt_ids)
+        if reasoning is not None and _special_markers(self.tokenizer(), reasoning.func):
+            # NOTE: markers that are special tokens are found only when those are kept
+            sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
         self._check_ids(request)
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
         request_id = request_id or request.request_id or f"{prefix}-{uuid.uuid4().hex}"
@@ -190,6 +200,7 @@ class Gateway:
             echo=self._echo_text(request, prompt_index),
             show_prompt_logprobs=request.prompt_logprobs is not None,
             tool_parser=tool_parser,
+            reasoning_parser=reasoning,
         )
 
     def call_syntax(self) -> CallSyntax:
@@ -217,6 +228,20 @@ class Gateway:
             return None
         names = frozenset(t.function.name for t in request.tools)
         return functools.partial(parser_for(syntax.parser), tools=names)
+
+    def _reasoning_parser(self, request: AnyRequest, prompt_ids: list[int]
+                          ) -> functools.partial[ThinkParser] | None:
+        """A maker of the request's reasoning parser (`--reasoning-parser`; chat only, as
+        vLLM), told how the prompt ends: a template may open or close the thinking itself."""
+        name = self.settings.reasoning_parser
+        if name is None or not isinstance(request, ChatCompletionRequest):
+            return None
+        cls = REASONING_PARSERS[name]
+        if not cls.thinks(request.chat_template_kwargs or {}):
+            return None
+        tok = self.tokenizer()
+        tail = tok.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return functools.partial(cls, tail, _one_token(tok, cls.start), _one_token(tok, cls.end))
 
     def start(self, job: Job) -> Generation:
         """Admit a Job: overload and engine-down become 503 with Retry-After."""
@@ -368,6 +393,20 @@ def _max_tokens_param(request: AnyRequest) -> str:
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         return "max_completion_tokens"
     return "max_tokens"
+
+
+# NOTE: enough of the prompt's end to hold a template's `<think>\n\n</think>\n\n`
+_PROMPT_TAIL_TOKENS = 16
+
+
+def _one_token(tok: Tokenizer, text: str) -> int | None:
+    """The id of `text` when the tokenizer writes it as one token."""
+    ids = tok.encode(text)
+    return ids[0] if len(ids) == 1 else None
+
+
+def _special_markers(tok: Tokenizer, parser: Any) -> bool:
+    return any(tok.special_token_id(m) is not None for m in (parser.start, parser.end))
 
 
 def _special(tok: Tokenizer, text: str | None) -> str | None:
