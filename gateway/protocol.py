@@ -354,11 +354,16 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0  # output tokens inside the reasoning (--reasoning-parser)
+
+
 class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser
 
 
 class Timeline(msgspec.Struct):
@@ -413,6 +418,11 @@ class Message(msgspec.Struct):
     role: str
     content: str | None
     tool_calls: list[ToolCall] | UnsetType = UNSET  # left out when the reply made no calls
+    # NOTE: with --reasoning-parser only. vLLM renamed `reasoning_content` (DeepSeek's name)
+    # to `reasoning` (vLLM #27752) and later dropped the old name (#33402); clients still read
+    # either (the Vercel AI SDK and LiteLLM read `reasoning_content`), so both carry it.
+    reasoning_content: str | None | UnsetType = UNSET
+    reasoning: str | None | UnsetType = UNSET
 
 
 class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
@@ -434,6 +444,8 @@ class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None  # reasoning text (both names: see Message)
+    reasoning: str | None = None
 
 
 class ChatChoice(msgspec.Struct):
