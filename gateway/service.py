@@ -170,17 +170,20 @@ class Gateway:
                 _prompt_param(request) if room < 1 else _max_tokens_param(request),
             )
         # NOTE: the engine's --max-logprobs, reported in its handshake: one limit, not two
+        reasoning = self._reasoning_parser(request, prompt_ids)
+        special = reasoning is not None and _special_markers(self.tokenizer(), reasoning.func)
+        if structured is not None and reasoning is not None:
+            prefix = reasoning().grammar(special)
+            if prefix is not None:  # NOTE: the grammar applies to the answer, after reasoning
+                structured = msgspec.structs.replace(structured, reasoning=prefix)
         info = self.client.info
         sampling = to_sampling(request, max_tokens or room, info.max_logprobs,  # type: ignore[union-attr]
                                structured)
         tool_parser = self._tool_parser(request, syntax)
-        if tool_parser is not None and (syntax.special_opening or syntax.special_closing):
-            # NOTE: the parser finds calls by their opening's text, which a special token
-            # only has when special tokens are kept (as vLLM does for Mistral)
-            sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
-        reasoning = self._reasoning_parser(request, prompt_ids)
-        if reasoning is not None and _special_markers(self.tokenizer(), reasoning.func):
-            # NOTE: markers that are special tokens are found only when those are kept
+        if special or (tool_parser is not None
+                       and (syntax.special_opening or syntax.special_closing)):
+            # NOTE: the parsers find calls and reasoning markers by their text, which a special
+            # token only has when special tokens are kept (as vLLM does for Mistral)
             sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
         self._check_ids(request)
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"

@@ -3,6 +3,7 @@ the reply's text (markers held back across chunk boundaries) and a count of reas
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
 
 BEFORE, REASONING, ANSWER = "before", "reasoning", "answer"
@@ -50,6 +51,24 @@ class ThinkParser:
     def reasoning_ended(self) -> bool:
         """The answer has begun (what the grammar of the answer waits for)."""
         return self._mode == ANSWER
+
+    def grammar(self, special: bool = False) -> str | None:
+        """A Lark grammar of the reasoning this reply may start with, then `@answer` (the
+        request's grammar, which applies from the end marker on, as vLLM applies it); None
+        when the prompt already ended the reasoning. `special`: the markers are special
+        tokens (written `<[id]>`; free text cannot contain them)."""
+        if self._mode == ANSWER:
+            return None
+        if special and self._ids is not None:
+            start, end = (f"<[{i}]>" for i in self._ids)
+            body = f"think_body: THINK_TEXT {end}\nTHINK_TEXT: /(.|\\n)*/\n"
+        else:
+            start, end = json.dumps(self.start), json.dumps(self.end)
+            # NOTE: a lazy lexeme ends at the marker's first appearance, as the parser does
+            body = f"think_body[lazy]: /(.|\\n)*/ {end}\n"
+        if self._mode == REASONING:
+            return f"start: think_body @answer\n{body}"
+        return f"start: think? @answer\nthink: {start} think_body\n{body}"
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         buf, self._held = self._held + text, ""
