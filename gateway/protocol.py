@@ -155,6 +155,7 @@ class _Common(msgspec.Struct, kw_only=True):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # vLLM's removed guided_* fields: gateway/refused.py answers them
+    add_special_tokens: bool = False  # the tokenizer's special tokens (a BOS) added to the prompt
 
     @property
     def include_usage(self) -> bool:
@@ -176,6 +177,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last message
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    chat_template: str | None = None  # vLLM's: this request's template, not the model's
+    # variables for templates that read them (a 400 names the field when this one does not)
+    documents: list[dict[str, Any]] | None = None  # RAG documents (vLLM's)
+    reasoning_effort: str | None = None  # e.g. gpt-oss's templates
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # default: auto with tools, none without
     parallel_tool_calls: bool = True

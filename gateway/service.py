@@ -313,13 +313,15 @@ class Gateway:
         if max_model_len is not None:
             _check_text_length(chars, max_model_len, tok, "messages")
         tools = None
+        template = getattr(request, "chat_template", None)
         if isinstance(request, ChatCompletionRequest):
-            messages, tools = template_messages(request, messages, tok.has_tools_branch,
+            messages, tools = template_messages(request, messages, tok.reads("tools", template),
                                                 self.call_syntax().parser)
         return await _off_loop(chars, tok.apply_chat_template, messages,
                                request.add_generation_prompt, request.continue_final_message,
-                               request.chat_template_kwargs, self.settings.split_special_tokens,
-                               tools)
+                               _template_kwargs(request, tok, template),
+                               self.settings.split_special_tokens, tools, template,
+                               getattr(request, "add_special_tokens", False))
 
     async def encode_prompt(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """The token ids of a completions prompt (completions and /tokenize); text too long
@@ -345,7 +347,8 @@ class Gateway:
         tok = self.tokenizer()
         if isinstance(request, CompletionRequest):
             prompt = request.prompts[prompt_index]
-            ids = await self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = (await self.encode_prompt(prompt, request.add_special_tokens)
+                   if isinstance(prompt, str) else list(prompt))
         else:
             ids = await self.chat_prompt_ids(request, max_model_len)
         if not ids:
@@ -396,6 +399,21 @@ def _max_tokens_param(request: AnyRequest) -> str:
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         return "max_completion_tokens"
     return "max_tokens"
+
+
+def _template_kwargs(request: Any, tok: Tokenizer, template: str | None) -> dict[str, Any]:
+    """The template's extra variables: chat_template_kwargs, and vLLM's `documents` and
+    `reasoning_effort`, each refused when the template does not read it."""
+    kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
+    for name in ("documents", "reasoning_effort"):
+        value = getattr(request, name, None)
+        if value is None:
+            continue
+        if not tok.reads(name, template):
+            raise ApiError(400, f"`{name}` is not supported by this model's chat template (it "
+                           f"does not read `{name}`)", "unsupported_parameter", name)
+        kwargs[name] = value
+    return kwargs
 
 
 # NOTE: enough of the prompt's end to hold a template's `<think>\n\n</think>\n\n`
