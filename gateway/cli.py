@@ -22,6 +22,7 @@ import uvicorn
 
 from gateway.app import build_app
 from gateway.read_timeouts import timed_protocol
+from gateway.reasoning import REASONING_PARSERS
 from gateway.service import Gateway, GatewaySettings
 from gateway.tool_calls import PARSERS
 from gateway.tracing import traces_url
@@ -96,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--responses-store-ttl", type=float,
                        default=GatewaySettings.responses_store_ttl,
                        help="seconds a stored response is kept (GET, previous_response_id)")
+    group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="split chat replies into reasoning (`reasoning_content`) and "
+                            "answer: deepseek_r1 (text before </think>), qwen3 (inside "
+                            "<think>...</think>), deepseek_v3 (as deepseek_r1 when the request "
+                            "asks `thinking`), mistral ([THINK]...[/THINK]) (default: off)")
     _add_engine_process_args(serve)
     add_engine_args(serve)
     commands.add_parser("engine", help="run one engine process (python -m engine ...)",
@@ -226,6 +232,7 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
         chat_template=Path(ns.chat_template).read_text() if ns.chat_template else None,
         tool_call_parser=ns.tool_call_parser,
         responses_store_mib=ns.responses_store_mib, responses_store_ttl=ns.responses_store_ttl,
+        reasoning_parser=ns.reasoning_parser,
     )
 
 
