@@ -252,3 +252,22 @@ async def test_pagedserve_sdk_responses(server_url: str, client: openai.OpenAI) 
         assert kinds[-1] == "response.incomplete"
         with pytest.raises(ps.BadRequestError):
             await sdk.responses.create(input="Hi", background=True)
+
+
+def test_the_cancel_route_ends_a_stream_as_cancelled(server_url: str,
+                                                    client: openai.OpenAI) -> None:
+    stream = client.responses.create(model=MODEL_NAME, input="Tell me a story", stream=True,
+                                     max_output_tokens=4000, extra_body={"ignore_eos": True})
+    events = []
+    for event in stream:
+        events.append(event)
+        if event.type == "response.output_text.delta" and len(events) == 5:
+            rid = events[0].response.id
+            assert httpx.post(f"{server_url}/v1/requests/{rid}/cancel").json()["cancelled"]
+    ends = [e for e in events if e.type in ("response.completed", "response.incomplete",
+                                             "response.failed")]
+    assert ends == [events[-1]] and events[-1].type == "response.failed"
+    assert events[-1].response.status == "cancelled"
+    assert events[-1].response.error.code == "cancelled"
+    assert events[-1].response.usage.output_tokens < 4000
+    assert wait_idle(server_url, timeout=60) == 0

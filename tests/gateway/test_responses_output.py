@@ -123,6 +123,12 @@ def test_length_is_incomplete_with_the_reason() -> None:
     assert final.output[0].status == "incomplete"
 
 
+def test_an_empty_reply_is_one_empty_message() -> None:
+    events, final = _run(_job(), [""])
+    assert [o.type for o in final.output] == ["message"] and final.output_text == ""
+    assert "response.output_text.delta" not in [e["type"] for e in events]
+
+
 def test_store_bounds_bytes_and_age() -> None:
     now = [0.0]
     convo = [ChatMessage("user", "hi")]
