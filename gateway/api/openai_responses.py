@@ -57,12 +57,15 @@ class ResponsesRoutes:
             response_id = f"resp_{uuid.uuid4().hex}"
             chat, conversation = to_chat(parsed, self._history(parsed.previous_response_id),
                                          response_id)
-            check_request(chat)
-            job = await self.gw.prepare(chat)
+            try:
+                check_request(chat)
+                job = await self.gw.prepare(chat)
+            except ApiError as exc:
+                raise _renamed(exc) from None
             job.trace_headers = trace_headers(request.headers)
             gen = self.gw.start(job)
         except ApiError as exc:
-            return _renamed(exc).response()
+            return exc.response()
         except ClientDisconnect:
             self.gw.metrics.client_disconnects.inc()
             return Response(status_code=499)
@@ -146,6 +149,10 @@ class ResponsesRoutes:
 
     async def retrieve(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
+        if request.query_params.get("stream", "false").lower() not in ("false", "0", ""):
+            return ApiError(400, "`stream` is not supported when retrieving: the stored "
+                            "response is returned whole", "unsupported_parameter",
+                            "stream").response()
         entry = self.store.get(response_id)
         if entry is None:
             return _not_found(response_id).response()

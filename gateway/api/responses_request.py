@@ -19,6 +19,7 @@ from gateway.protocol import (
     ToolCall,
     ToolChoice,
 )
+from gateway.refused import REFUSED_FIELDS as CHAT_REFUSED
 from gateway.refused import refusal_check
 
 # field name -> why it is refused (the message says "`<field>` <why>"); false, null and empty
@@ -34,10 +35,22 @@ REFUSED_FIELDS: dict[str, str] = {
     "moderation": "is not supported",
     "image": "is not supported: text is the only modality",
 }
-check_refused = refusal_check(REFUSED_FIELDS)
+# chat completions' fields, which would change generation there: named, not ignored, here
+_CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens",
+               "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+               "structured_outputs": "text.format"}
+_CHAT_ONLY = ("n", "logprobs", "use_beam_search", "best_of", "echo", "prompt_logprobs",
+              "length_penalty", "add_generation_prompt", "continue_final_message",
+              "chat_template", "documents", "add_special_tokens", "reasoning_effort")
+ALL_REFUSED = {**CHAT_REFUSED, **REFUSED_FIELDS,
+               **{name: f"is a chat completions field: /v1/responses takes `{ours}`"
+                  for name, ours in _CHAT_NAMES.items()},
+               **{name: "is not supported on /v1/responses" for name in _CHAT_ONLY}}
+check_refused = refusal_check(ALL_REFUSED)
 
 # a chat request's field -> the Responses field it came from (error params name the latter)
 _PARAMS = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
+           ("reasoning_effort", "reasoning.effort"),
            ("response_format.json_schema", "text.format"), ("response_format", "text.format"))
 
 
@@ -57,10 +70,10 @@ def check_declared(r: ResponsesRequest) -> None:
         raise _refused("truncation", "`auto` is not supported: a prompt that does not fit is a 400")
     if r.top_logprobs:
         raise _refused("top_logprobs", "is not supported on /v1/responses")
-    for key in ("effort", "summary", "generate_summary"):
+    for key in ("summary", "generate_summary"):
         if (r.reasoning or {}).get(key) is not None:
-            raise _refused(f"reasoning.{key}", "is not supported: the model reasons as it "
-                           "was trained (`--reasoning-parser` splits its reasoning out)")
+            raise _refused(f"reasoning.{key}", "is not supported: reasoning is returned as "
+                           "written (with `--reasoning-parser`), never summarized")
     if r.text is not None and r.text.verbosity not in (None, "medium"):
         raise _refused("text.verbosity", "is not supported")
 
@@ -82,6 +95,7 @@ def to_chat(r: ResponsesRequest, history: list[ChatMessage], response_id: str
         logit_bias=r.logit_bias, skip_special_tokens=r.skip_special_tokens,
         include_stop_str_in_output=r.include_stop_str_in_output, priority=r.priority,
         cache_salt=r.cache_salt, chat_template_kwargs=r.chat_template_kwargs,
+        reasoning_effort=_effort(r.reasoning),
         tools=tools, tool_choice=_tool_choice(r.tool_choice),
         parallel_tool_calls=r.parallel_tool_calls is not False,
         response_format=_response_format(r), request_id=response_id)
@@ -179,6 +193,16 @@ def _response_format(r: ResponsesRequest) -> ResponseFormat | None:
                        "missing_required_parameter", "text.format.schema")
     return ResponseFormat("json_schema", JsonSchemaFormat(fmt.name or "response", fmt.schema,
                                                           fmt.strict, fmt.description))
+
+
+def _effort(reasoning: dict | None) -> str | None:
+    """`reasoning.effort`, which chat's `reasoning_effort` passes to a template that reads it
+    (else a 400 naming it)."""
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise ApiError(400, "reasoning.effort must be a string", "invalid_value",
+                       "reasoning.effort")
+    return effort
 
 
 def _refused(param: str, why: str) -> ApiError:

@@ -146,6 +146,9 @@ def test_previous_response_id_reuses_the_prefix_cache(client: openai.OpenAI) -> 
 def test_retrieve_delete_and_404(client: openai.OpenAI) -> None:
     reply = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=3)
     assert client.responses.retrieve(reply.id).model_dump() == reply.model_dump()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.retrieve(reply.id, stream=True)
+    assert refused.value.body["param"] == "stream"
     client.responses.delete(reply.id)
     for call in (client.responses.retrieve, client.responses.delete):
         with pytest.raises(openai.NotFoundError) as err:
@@ -162,7 +165,13 @@ BAD = [
     ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[0].type"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"truncation": "auto"}, "truncation"),
-    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # the template does not read it
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"messages": [{"role": "user", "content": "Hi"}]}, "messages"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"max_tokens": 5}, "max_tokens"),
+    ({"n": 2}, "n"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type"),
