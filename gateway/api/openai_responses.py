@@ -131,9 +131,12 @@ class ResponsesRoutes:
                     return
                 for event in writer.feed(piece):
                     yield event
-            for event in writer.finish(gen.finish_reason):
-                yield event
+            ending = writer.finish(gen.finish_reason)
+            # NOTE: stored before the last events go out: a client that leaves at once may
+            # still continue from it
             self._keep(writer.response, msgspec.json.encode(writer.response), keep)
+            for event in ending:
+                yield event
         finally:
             await pieces.aclose()  # type: ignore[attr-defined]
             await self._close(gen)

@@ -82,6 +82,7 @@ def test_stream_events_in_order(client: openai.OpenAI) -> None:
     assert "".join(d.delta for d in deltas) == events[-4].text == final.output_text
     assert final.output_text == whole.output_text and final.id == events[0].response.id
     assert final.usage.output_tokens == 6
+    assert client.responses.retrieve(final.id).output_text == final.output_text  # stored
 
 
 def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
