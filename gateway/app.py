@@ -198,7 +198,7 @@ class Handlers:
                     yield sse_event(chunk)
             else:
                 if gens[0].job.include_usage:
-                    yield sse_event(usage_chunk(gens))
+                    yield sse_event(usage_chunk(gens, builders))
             yield DONE
         finally:
             await self._close(gens)
@@ -277,6 +277,9 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
               gateway: Gateway | None = None) -> Starlette:
     gw = gateway or Gateway(client, settings or GatewaySettings())
     h = Handlers(gw)
+    from gateway.api.openai_responses import ResponsesRoutes  # NOTE: it imports read_body
+
+    responses = ResponsesRoutes(gw)
     routes = [
         Route("/v1/models", h.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", h.model, methods=["GET"]),
@@ -284,6 +287,9 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
         Route("/detokenize", h.detokenize, methods=["POST"]),
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/completions", h.completions, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         Route("/v1/requests/{request_id}/cancel", h.cancel, methods=["POST"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/livez", h.livez, methods=["GET"]),
@@ -296,7 +302,7 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
     ]
     middleware = [
         Middleware(CORSMiddleware, allow_origins=list(gw.settings.allowed_origins),
-                   allow_methods=["GET", "POST", "OPTIONS"],
+                   allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                    allow_headers=["Authorization", "Content-Type", "traceparent",
                                   "tracestate"],
                    expose_headers=["X-Request-Id", "Retry-After"]),

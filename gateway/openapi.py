@@ -11,6 +11,12 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
+from gateway.api.responses_types import (
+    DeletedResponse,
+    ResponseEvent,
+    ResponseObject,
+    ResponsesRequest,
+)
 from gateway.errors import ErrorEnvelope
 from gateway.protocol import (
     ChatCompletion,
@@ -55,9 +61,10 @@ class Cancelled(msgspec.Struct):
 
 
 REQUESTS = (ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest,
-            TokenizeChatRequest, DetokenizeRequest)
+            TokenizeChatRequest, DetokenizeRequest, ResponsesRequest)
 RESPONSES = (ChatCompletion, ChatCompletionChunk, Completion, ModelList, ErrorEnvelope, Health,
-             Liveness, VersionInfo, Cancelled, ModelCard, TokenizeResponse, DetokenizeResponse)
+             Liveness, VersionInfo, Cancelled, ModelCard, TokenizeResponse, DetokenizeResponse,
+             ResponseObject, ResponseEvent, DeletedResponse)
 
 
 def _structs(tp: Any, found: dict[str, type]) -> dict[str, type]:
@@ -119,7 +126,7 @@ def _events(chunk: Schema) -> Schema:
 ERRORS = {
     400: "invalid request (validation, context length, chat template)",
     401: "missing or wrong API key (only when the server has one)",
-    404: "unknown model, route or running request",
+    404: "unknown model, route, running request or stored response",
     413: "request body too large",
     500: "the engine failed this request (or the gateway has a bug)",
     503: "engine not ready, overloaded or draining",
@@ -162,6 +169,45 @@ def _generate(refs: dict[str, Schema], operation_id: str, request: str, response
             "schema": refs[request], "examples": examples}}},
         "responses": {"200": ok, **_errors(refs, 400, 401, 404, 413, 500, 503)},
     }}
+
+
+RESPONSE_EXAMPLES = {
+    "text": {"value": {"input": "Hello!", "max_output_tokens": 16}},
+    "stream": {"summary": "streamed events, with instructions", "value": {
+        "input": [{"role": "user", "content": "Hello!"}], "instructions": "Be brief.",
+        "max_output_tokens": 16, "stream": True}},
+}
+
+
+def _responses(refs: dict[str, Schema]) -> dict[str, Schema]:
+    """POST /v1/responses and GET / DELETE /v1/responses/{response_id}."""
+    # NOTE: each event is `event: <type>` and `data: <JSON of that event>`; no [DONE]
+    event = {"type": "object", "required": ["data", "event"], "properties": {
+        "data": {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": refs["ResponseEvent"]},
+        "event": {"type": "string"}}}
+    ok = {"description": "a response; with `stream: true`, server-sent events from "
+                         "response.created to one of response.completed / .incomplete / .failed",
+          "headers": REQUEST_ID,
+          "content": {"application/json": {"schema": refs["ResponseObject"]},
+                      "text/event-stream": {"schema": event}}}
+    path = [{"name": "response_id", "in": "path", "required": True,
+             "schema": {"type": "string", "minLength": 1}}]
+
+    def stored(operation_id: str, schema: Schema, what: str) -> Schema:
+        return {"operationId": operation_id, "security": BEARER, "parameters": path,
+                "responses": {"200": _json(schema, what), **_errors(refs, 401, 404)}}
+
+    return {
+        "/v1/responses": {"post": {
+            "operationId": "createResponse", "security": BEARER,
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": refs["ResponsesRequest"], "examples": RESPONSE_EXAMPLES}}},
+            "responses": {"200": ok, **_errors(refs, 400, 401, 404, 413, 500, 503)}}},
+        "/v1/responses/{response_id}": {
+            "get": stored("retrieveResponse", refs["ResponseObject"], "a stored response"),
+            "delete": stored("deleteResponse", refs["DeletedResponse"], "it is deleted")},
+    }
 
 
 def _post(operation_id: str, body: Schema, ok: Schema, refs: dict[str, Schema],
@@ -211,6 +257,7 @@ def openapi_document() -> dict[str, Any]:
                                           "ChatCompletion", "ChatCompletionChunk", CHAT_EXAMPLES),
         "/v1/completions": _generate(refs, "createCompletion", "CompletionRequest", "Completion",
                                      "Completion", COMPLETION_EXAMPLES),
+        **_responses(refs),
         "/v1/requests/{request_id}/cancel": {"post": {
             "operationId": "cancelRequest", "security": BEARER, "parameters": [cancel_path],
             "responses": {"200": _json(refs["Cancelled"], "the engine was told to abort it"),
@@ -228,7 +275,7 @@ def openapi_document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "pagedserve", "version": package_version(),
-                 "description": "OpenAI-compatible completions and chat completions."},
+                 "description": "OpenAI-compatible completions, chat completions and responses."},
         "paths": paths,
         "components": {
             "schemas": components,

@@ -7,6 +7,8 @@ Fields that change nothing here (`user`, `metadata`, `store`, ...) are accepted:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 from gateway.errors import ApiError
@@ -32,6 +34,9 @@ REFUSED_FIELDS: dict[str, str] = {
     "allowed_token_ids": "is not supported",
     "truncate_prompt_tokens": "is not supported: prompts are never truncated",
     "prompt_embeds": "is not supported",
+    "logits_processors": "is not supported: the server runs no custom logits processors",
+    "vllm_xargs": "is not supported: the server runs no custom logits processors that read it",
+    "mm_processor_kwargs": "is not supported: the model takes text only",
 }
 
 # tool calling is a chat feature: /v1/completions refuses these too
@@ -40,8 +45,10 @@ CHAT_ONLY_FIELDS: dict[str, str] = {
     for name in ("tools", "tool_choice", "parallel_tool_calls")
 }
 
-# NOTE: values that ask for nothing (clients often send them as defaults) are not refused
+# NOTE: values that ask for nothing (clients often send them as defaults) are not refused;
+# a guided_* field asks for something unless it is null (`guided_json: {}` is a schema)
 _EMPTY = (b"null", b"[]", b"{}", b'""', b"false")
+_NULL = (b"null",)
 
 _Refused = msgspec.defstruct(
     "_Refused", [(name, msgspec.Raw, msgspec.Raw(b"null"))
@@ -55,5 +62,21 @@ def check_refused(body: bytes, chat: bool = True) -> None:
     fields = _decoder.decode(body)
     table = REFUSED_FIELDS if chat else {**REFUSED_FIELDS, **CHAT_ONLY_FIELDS}
     for name, why in table.items():
-        if bytes(getattr(fields, name)).strip() not in _EMPTY:
+        empty = _NULL if name.startswith("guided_") else _EMPTY
+        if bytes(getattr(fields, name)).strip() not in empty:
             raise ApiError(400, f"`{name}` {why}", "unsupported_parameter", name)
+
+
+def refusal_check(table: dict[str, str]) -> Callable[[bytes], None]:
+    """A check like `check_refused` for another route's table (field name -> why): raises a
+    400 naming the first field of `table` the (valid JSON object) body sets."""
+    decoder = msgspec.json.Decoder(msgspec.defstruct(
+        "_RouteRefused", [(name, msgspec.Raw, msgspec.Raw(b"null")) for name in table]))
+
+    def check(body: bytes) -> None:
+        fields = decoder.decode(body)
+        for name, why in table.items():
+            if bytes(getattr(fields, name)).strip() not in _EMPTY:
+                raise ApiError(400, f"`{name}` {why}", "unsupported_parameter", name)
+
+    return check

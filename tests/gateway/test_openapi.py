@@ -62,8 +62,12 @@ async def test_served_without_a_key_like_health(fake_engine: FakeEngine) -> None
     assert response.status_code == 200 and response.json() == openapi_document()
 
 
-def _explicit_cases(operation: schemathesis.APIOperation) -> list[schemathesis.Case]:
-    """The documented request examples, and a cancel of the request that is running."""
+def _explicit_cases(operation: schemathesis.APIOperation,
+                    stored: str | None) -> list[schemathesis.Case]:
+    """The documented request examples, a cancel of the request that is running, and the
+    stored response (GET, DELETE)."""
+    if "{response_id}" in operation.path:
+        return [operation.Case(path_parameters={"response_id": stored})]
     if "{model_id}" in operation.path:
         return [operation.Case(path_parameters={"model_id": "test-model"})]
     if operation.path_parameters:
@@ -76,7 +80,7 @@ def _explicit_cases(operation: schemathesis.APIOperation) -> list[schemathesis.C
     return [operation.Case(body=e["value"], media_type="application/json") for e in examples]
 
 
-def _fuzz(url: str, label: str) -> Counter[str]:
+def _fuzz(url: str, label: str, stored: str | None = None) -> Counter[str]:
     """Explicit cases, then valid and (where there is a body) invalid generated ones: every
     response must pass CHECKS. Returns how many of each status and media type came back."""
     method, path = label.split(" ", 1)
@@ -90,7 +94,7 @@ def _fuzz(url: str, label: str) -> Counter[str]:
         media_type = response.headers.get("content-type", [""])[0].split(";")[0]
         seen[f"{response.status_code} {media_type}"] += 1
 
-    for case in _explicit_cases(operation):
+    for case in _explicit_cases(operation, stored):
         check(case)
     modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.body else [])
     for mode in modes:
@@ -116,11 +120,15 @@ async def test_fuzz_against_the_document(fake_engine: FakeEngine, label: str) ->
                 http.post("/v1/completions", json={"prompt": "x", "request_id": RUNNING}))
             while RUNNING not in app.state.gateway.generations:
                 await asyncio.sleep(0.01)
-        seen = await asyncio.to_thread(_fuzz, url, label)
+        stored = None
+        if "{response_id}" in label:  # a stored response for the explicit case
+            reply = await http.post("/v1/responses", json={"input": "x", "max_output_tokens": 2})
+            stored = reply.json()["id"]
+        seen = await asyncio.to_thread(_fuzz, url, label, stored)
         if running is not None:
             assert (await running).json()["choices"][0]["finish_reason"] == "abort"
     assert any(key.startswith("200 ") for key in seen), seen
-    if label.endswith("completions"):
+    if label.endswith(("completions", "/v1/responses")):
         assert seen["200 application/json"] and seen["200 text/event-stream"], seen
 
 

@@ -53,6 +53,27 @@ valid_completion = st.fixed_dictionaries({"prompt": text.filter(str.strip) | st.
     st.integers(0, 49151), min_size=1, max_size=5)}, optional={
     **common, "logprobs": st.integers(0, 5), "echo": st.booleans()})
 
+items = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer"]),
+                           "content": text | st.lists(st.fixed_dictionaries(
+                               {"type": st.just("input_text"), "text": text}), max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": text,
+                           "name": st.just("f"), "arguments": st.just('{"a": 1}')}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": text,
+                           "output": text})), min_size=1, max_size=3)
+tool = st.fixed_dictionaries({"type": st.just("function"), "name": st.sampled_from(["f", "g"]),
+                              "parameters": st.just({"type": "object"})})
+common_responses = {k: v for k, v in common.items()
+                    if k not in ("max_tokens", "stream_options", "stream")}
+# NOTE: `stream` always set, so that about half the valid bodies are streamed
+valid_responses = st.fixed_dictionaries({"input": text.filter(str.strip) | items,
+                                         "stream": st.booleans()}, optional={
+    **common_responses, "max_output_tokens": st.integers(1, 20), "instructions": text,
+    "store": st.booleans(), "tools": st.lists(tool, max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required"]),
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+    "previous_response_id": st.just("resp_unknown"), "metadata": st.just({"k": "v"})})
+
 
 def mutated(valid: st.SearchStrategy[dict]) -> st.SearchStrategy[Any]:
     """A valid body, or one with a single field replaced by anything, dropped, or added;
@@ -72,12 +93,16 @@ def mutated(valid: st.SearchStrategy[dict]) -> st.SearchStrategy[Any]:
 
 chat_body = mutated(valid_chat)
 completion_body = mutated(valid_completion)
+responses_body = mutated(valid_responses)
 
 
 def encode(body: Any, mangle: int) -> bytes:
     """JSON (NaN and Infinity included, as Python writes them), sometimes truncated."""
     raw = json.dumps(body).encode()
     return raw[: len(raw) * mangle // 4] if mangle else raw
+
+
+TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 def check_error(payload: Any) -> None:
@@ -93,11 +118,17 @@ def check_response(response: Any) -> None:
         check_error(response.json())
     elif response.headers["content-type"].startswith("text/event-stream"):
         data = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-        assert data[-1] == "[DONE]"
+        if data[-1] != "[DONE]":  # /v1/responses: numbered events, one terminal one
+            events = [json.loads(item) for item in data]
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
+            ends = [e["type"] for e in events if e["type"] in TERMINAL]
+            assert ends == [events[-1]["type"]] and ends[0] != "response.failed"
+            return
         for item in data[:-1]:
             assert "error" not in json.loads(item)  # NOTE: the scripted engine never fails
     else:
-        assert response.json()["choices"]
+        payload = response.json()
+        assert payload["choices"] if "choices" in payload else payload["output"]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +140,8 @@ def client(bundled_tokenizer_dir: Path) -> Any:
 
 
 @pytest.mark.parametrize("path, bodies", [("/v1/chat/completions", chat_body),
-                                          ("/v1/completions", completion_body)])
+                                          ("/v1/completions", completion_body),
+                                          ("/v1/responses", responses_body)])
 def test_http_bodies_never_5xx(client: TestClient, path: str, bodies: Any) -> None:
     @SETTINGS
     @given(body=bodies, mangle=st.sampled_from([0, 0, 0, 0, 0, 1, 3]))
@@ -120,7 +152,8 @@ def test_http_bodies_never_5xx(client: TestClient, path: str, bodies: Any) -> No
     run()
 
 
-PATHS = ["/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/livez",
+PATHS = ["/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses",
+         "/v1/responses/resp_x", "/health", "/livez",
          "/version", "/metrics", "/v1/requests/x/cancel", "/nope", "/v1/../health"]
 
 

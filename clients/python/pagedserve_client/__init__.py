@@ -19,6 +19,7 @@ from pagedserve_client._errors import (
     StreamError,
     UnprocessableEntityError,
 )
+from pagedserve_client._responses import Response, ResponseStreamEvent
 from pagedserve_client._sse import ServerSentEvent, SSEDecoder
 from pagedserve_client._streaming import AsyncStream, Stream
 from pagedserve_client._types import (
@@ -44,7 +45,8 @@ __all__ = [
     "ChatCompletionChunk", "Client", "Completion", "ConflictError", "FinishReason", "Generation",
     "GenerationDone", "GenerationStatus", "InternalServerError", "Model", "ModelList",
     "NotFoundError", "PagedServeError", "PermissionDeniedError", "PromptLogprob", "RateLimitError",
-    "RequestTooLargeError", "SSEDecoder", "ServerSentEvent", "ServiceUnavailableError", "Stream",
+    "RequestTooLargeError", "Response", "ResponseStreamEvent", "SSEDecoder", "ServerSentEvent",
+    "ServiceUnavailableError", "Stream",
     "StreamError", "Tokenized", "ToolCall", "ToolCallDelta", "UnprocessableEntityError", "Usage",
     "WebSocketClient",
 ]

@@ -1,5 +1,5 @@
-"""`Client` (sync) and `AsyncClient` over httpx: chat completions, completions, models, cancel,
-tokenize/detokenize.
+"""`Client` (sync) and `AsyncClient` over httpx: chat completions, completions, responses,
+models, cancel, tokenize/detokenize.
 
 Both retry 408/409/429/5xx and connection errors with backoff (honouring Retry-After) before any
 byte of a response reaches the caller; a stream already handed out is never retried.
@@ -17,6 +17,7 @@ import msgspec
 
 from pagedserve_client._base import ClientSettings, body, connection_error
 from pagedserve_client._errors import status_error
+from pagedserve_client._responses import AsyncResponses, Responses
 from pagedserve_client._retry import retry_delay, should_retry
 from pagedserve_client._streaming import AsyncStream, Stream
 from pagedserve_client._types import (
@@ -45,6 +46,7 @@ class Client:
         self._http = http_client or httpx.Client(timeout=self.settings.timeout)
         self.chat = Chat(self)
         self.completions = Completions(self)
+        self.responses = Responses(self)
         self.models = Models(self)
 
     def __enter__(self) -> Client:
@@ -115,6 +117,7 @@ class AsyncClient:
         self._http = http_client or httpx.AsyncClient(timeout=self.settings.timeout)
         self.chat = AsyncChat(self)
         self.completions = AsyncCompletions(self)
+        self.responses = AsyncResponses(self)
         self.models = AsyncModels(self)
 
     async def __aenter__(self) -> AsyncClient:

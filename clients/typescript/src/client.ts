@@ -1,8 +1,9 @@
-/** `PagedServe`: the HTTP client (chat completions, completions, models, cancel) over fetch.
+/** `PagedServe`: the HTTP client (chat completions, completions, responses, models, cancel) over fetch.
  * Retries 408/409/429/5xx and network errors with backoff (honouring Retry-After) before any
  * byte of a response reaches the caller; a stream already handed out is never retried. */
 
 import { APIConnectionError, APITimeoutError, APIUserAbortError, statusError } from './errors.js';
+import type { ResponseCreateParams, ResponseObject, ResponseStreamEvent } from './responses.js';
 import { retryDelayMs, shouldRetry, sleep } from './retry.js';
 import { Stream } from './streaming.js';
 import type {
@@ -44,6 +45,20 @@ export class PagedServe {
       (params: CompletionParams & { stream: true }, options?: RequestOptions): Promise<Stream<Completion>>;
       (params: CompletionParams & { stream?: false }, options?: RequestOptions): Promise<Completion>;
     },
+  };
+
+  /** POST /v1/responses (OpenAI's Responses API); GET and DELETE a stored response. */
+  readonly responses = {
+    create: ((params: ResponseCreateParams & { stream?: boolean }, options?: RequestOptions) =>
+      this.create('/v1/responses', params, options)) as {
+      (params: ResponseCreateParams & { stream: true }, options?: RequestOptions): Promise<Stream<ResponseStreamEvent>>;
+      (params: ResponseCreateParams & { stream?: false }, options?: RequestOptions): Promise<ResponseObject>;
+    },
+    /** A stored response; a NotFoundError when it is not stored. */
+    retrieve: async (id: string, options?: RequestOptions): Promise<ResponseObject> =>
+      (await this.request('GET', `/v1/responses/${encodeURIComponent(id)}`, undefined, options)).response.json() as Promise<ResponseObject>,
+    delete: async (id: string, options?: RequestOptions): Promise<{ id: string; deleted: boolean }> =>
+      (await this.request('DELETE', `/v1/responses/${encodeURIComponent(id)}`, undefined, options)).response.json() as Promise<{ id: string; deleted: boolean }>,
   };
 
   readonly models = {

@@ -7,3 +7,4 @@ export { Stream } from './streaming.js';
 export { retryDelayMs, shouldRetry } from './retry.js';
 export { Generation, WebSocketClient, RECONNECT_CODES, SUBPROTOCOL, type WebSocketOptions, type WebSocketLike, type WebSocketConstructor } from './ws.js';
 export * from './types.js';
+export * from './responses.js';

@@ -30,6 +30,7 @@ export class Stream<T> implements AsyncIterable<T> {
         }
         yield this.decode(event.data, event.event);
       }
+      finished = true; // NOTE: a Responses stream ends with its body, not with [DONE]
     } catch (err) {
       if (this.controller.signal.aborted) throw new APIUserAbortError('request aborted', { cause: err });
       if (err instanceof TypeError || (err as Error)?.name === 'AbortError') {
