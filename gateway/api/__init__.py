@@ -1,0 +1,1 @@
+"""One module per API family beyond OpenAI chat and completions (Anthropic Messages, ...)."""
