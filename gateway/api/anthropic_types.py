@@ -136,7 +136,7 @@ StopSequences = Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STR
 class CountTokensRequest(msgspec.Struct, kw_only=True):
     """/v1/messages/count_tokens: what the prompt of a /v1/messages request is made of."""
 
-    model: str
+    model: str | None = None  # NOTE: Anthropic requires it; here None means the served model
     messages: list[InputMessage]
     system: str | list[TextBlock] | None = None
     tools: list[ToolDefinition] | None = None
