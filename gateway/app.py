@@ -1,4 +1,5 @@
-"""The Starlette app: OpenAI endpoints (JSON and SSE), cancel, health, version, metrics, OpenAPI.
+"""The Starlette app: OpenAI endpoints (JSON and SSE), Anthropic Messages (gateway/api/), cancel,
+health, version, metrics, OpenAPI.
 
 `build_app(client, settings)` takes any EngineClient-shaped object, so tests can script one.
 """
