@@ -170,7 +170,9 @@ class MessagesApi:
 def _ended(piece: Piece) -> ApiError:
     """The error of a reply that did not finish: the engine's, or a cancel's."""
     if piece.finish_reason == FINISH_ABORT:
-        return ApiError(500, "the request was cancelled before it finished", "cancelled")
+        # NOTE: the SDK retries a 5xx unless told not to: a cancel is not to be resent
+        return ApiError(500, "the request was cancelled before it finished", "cancelled",
+                        headers={"x-should-retry": "false"})
     return piece_error(piece)
 
 
