@@ -179,7 +179,7 @@ class Handlers:
                     yield sse_event(chunk)
             else:
                 if gens[0].job.include_usage:
-                    yield sse_event(usage_chunk(gens))
+                    yield sse_event(usage_chunk(gens, builders))
             yield DONE
         finally:
             await self._close(gens)

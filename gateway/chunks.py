@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 from msgspec import UNSET
 
+from gateway.choice_events import (
+    CallArguments,
+    CallStart,
+    ChoiceEvent,
+    ChoiceEvents,
+    ReasoningDelta,
+    TextDelta,
+)
 from gateway.generation import Generation, Piece
 from gateway.protocol import (
     ChatChoice,
@@ -17,6 +25,7 @@ from gateway.protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    CompletionTokensDetails,
     Delta,
     FunctionCall,
     FunctionCallDelta,
@@ -30,8 +39,7 @@ from gateway.protocol import (
     TopLogprob,
     Usage,
 )
-from gateway.tool_parsers import CallEvent
-from ipc.messages import FINISH_STOP, PositionLogprobs
+from ipc.messages import PositionLogprobs
 
 Chunk = ChatCompletionChunk | Completion
 
@@ -109,13 +117,16 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
 
-def usage_of(*gens: Generation) -> Usage:
+def usage_of(*gens: Generation, reasoning_tokens: int | None = None) -> Usage:
     """Usage of one request, summed over its prompts (each prompt counted once, every choice's
-    tokens counted, as OpenAI bills n and best_of)."""
+    tokens counted, as OpenAI bills n and best_of); `reasoning_tokens` (None: the request had
+    no reasoning parser) becomes completion_tokens_details."""
     keys = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
     u = {k: sum(g.usage[k] for g in gens) for k in keys}
+    details = (CompletionTokensDetails(reasoning_tokens) if reasoning_tokens is not None
+               else None)
     return Usage(u["prompt_tokens"], u["completion_tokens"], u["total_tokens"],
-                 PromptTokensDetails(u["cached_tokens"]))
+                 PromptTokensDetails(u["cached_tokens"]), details)
 
 
 def timeline_of(gen: Generation) -> Timeline:
@@ -136,7 +147,8 @@ def timeline_of(gen: Generation) -> Timeline:
 class ChunkBuilder:
     """Builds one prompt's chunks: each choice's first chat delta carries the role (and the
     echo), its last one its finish_reason; choice i is `job.index_base + i` in the chunks
-    (batched prompts: prompt p of a request with n choices starts at p * n, as OpenAI)."""
+    (batched prompts: prompt p of a request with n choices starts at p * n, as OpenAI).
+    Chat text goes through the choice's ChoiceEvents (reasoning, answer, tool calls)."""
 
     def __init__(self, gen: Generation, namer: TokenNamer, timeline: bool = True) -> None:
         self._gen = gen
@@ -146,75 +158,94 @@ class ChunkBuilder:
         self._timeline = timeline  # NOTE: False for batched prompts: a timeline is per prompt
         self._sent_role: set[int] = set()
         self._offset: dict[int, int] = {}
-        self._tools: dict[int, Any] = {}  # choice index -> its tool-call parser (chat + tools)
+        self._events: dict[int, ChoiceEvents] = {}  # choice index -> its events (chat)
 
     def chunk(self, piece: Piece) -> Chunk | None:
         job = self._gen.job
+        if job.kind != "chat":
+            return self._completion_chunk(piece)
         wants_logprobs = job.sampling.logprobs is not None and piece.logprobs
         first = piece.index not in self._sent_role
-        text, calls = piece.text, None
-        parser = self._parser(piece.index)
-        if parser is not None:
-            events = parser.feed(piece.text, final=piece.finish_reason is not None)
-            text = "".join(e.content for e in events if e.index is None)
-            calls = _call_deltas(events) or None
-        if not (text or calls or piece.finish_reason or wants_logprobs or first):
+        events = self._choice(piece.index).feed(piece)
+        text = _joined(events, TextDelta)
+        reasoning = _joined(events, ReasoningDelta) or None
+        calls = _call_deltas(events) or None
+        if not (text or reasoning or calls or piece.finish_reason or wants_logprobs or first):
             return None
-        last = piece.finish_reason is not None and self._gen.finish_reason is not None
-        timeline = timeline_of(self._gen) if last and self._timeline else UNSET
-        index = self._base + piece.index
         text = job.echo + text if first else text
-        if job.kind == "chat":
-            delta = Delta(content=text or None, tool_calls=calls)
-            if first:
-                delta.role, delta.content = "assistant", text
-                self._sent_role.add(piece.index)
-            lp = self._namer.chat(piece.logprobs) if wants_logprobs else None
-            reason = self.finish_reason(piece.finish_reason, piece.index)
-            choice = ChatChunkChoice(index, delta, lp, reason)
-            return ChatCompletionChunk(self._id, job.created, job.model, [choice],
-                                       timeline=timeline)
+        delta = Delta(content=text or None, tool_calls=calls, reasoning_content=reasoning,
+                      reasoning=reasoning)
+        if first:
+            delta.role, delta.content = "assistant", text
+            self._sent_role.add(piece.index)
+        lp = self._namer.chat(piece.logprobs) if wants_logprobs else None
+        reason = self.finish_reason(piece.finish_reason, piece.index)
+        choice = ChatChunkChoice(self._base + piece.index, delta, lp, reason)
+        return ChatCompletionChunk(self._id, job.created, job.model, [choice],
+                                   timeline=self._timeline_for(piece))
+
+    def _completion_chunk(self, piece: Piece) -> Completion:
+        job = self._gen.job
+        first = piece.index not in self._sent_role
         self._sent_role.add(piece.index)
+        text = job.echo + piece.text if first else piece.text
         offset = self._offset.get(piece.index, len(job.echo))
-        wants_logprobs = wants_logprobs or (first and job.sampling.logprobs is not None)
+        wants_logprobs = job.sampling.logprobs is not None and (bool(piece.logprobs) or first)
         lp = self._namer.completion(piece.logprobs or [], offset) if wants_logprobs else None
         self._offset[piece.index] = offset + len(piece.text)
         prompt_lp = UNSET
         if first:
             lp, prompt_lp = _prompt_parts(self._gen, self._namer, lp)
-        choice = CompletionChoice(index, text, lp, piece.finish_reason, prompt_lp)
-        return Completion(self._id, job.created, job.model, [choice], timeline=timeline)
+        choice = CompletionChoice(self._base + piece.index, text, lp, piece.finish_reason,
+                                  prompt_lp)
+        return Completion(self._id, job.created, job.model, [choice],
+                          timeline=self._timeline_for(piece))
 
-    def _parser(self, index: int) -> Any:
-        """Choice `index`'s tool-call parser (None: the request has no tools)."""
-        make = self._gen.job.tool_parser
-        if make is None:
-            return None
-        if index not in self._tools:
-            self._tools[index] = make()
-        return self._tools[index]
+    def _timeline_for(self, piece: Piece) -> Timeline | Any:
+        last = piece.finish_reason is not None and self._gen.finish_reason is not None
+        return timeline_of(self._gen) if last and self._timeline else UNSET
+
+    def _choice(self, index: int) -> ChoiceEvents:
+        if index not in self._events:
+            self._events[index] = ChoiceEvents(self._gen.job)
+        return self._events[index]
 
     def finish_reason(self, reason: str | None, index: int = 0) -> str | None:
         """The client's finish_reason for choice `index`: a stop after tool calls is
         `tool_calls`."""
-        parser = self._tools.get(index)
-        if reason == FINISH_STOP and parser is not None and parser.named_calls:
-            return "tool_calls"
-        return reason
+        events = self._events.get(index)
+        return events.finish_reason(reason) if events is not None else reason
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """Reasoning tokens of every choice so far (None: the request has no reasoning
+        parser)."""
+        if self._gen.job.reasoning_parser is None:
+            return None
+        return sum(e.reasoning_tokens for e in self._events.values())
 
 
-def usage_chunk(gens: list[Generation]) -> Chunk:
+def usage_chunk(gens: list[Generation], builders: Sequence[ChunkBuilder] = ()) -> Chunk:
     """The stream's last chunk with stream_options.include_usage: no choices, the usage."""
     job = gens[0].job
     rid = job.response_id or job.request_id
+    usage = usage_of(*gens, reasoning_tokens=_reasoning_total(
+        [b.reasoning_tokens for b in builders]))
     if job.kind == "chat":
-        return ChatCompletionChunk(rid, job.created, job.model, [], usage=usage_of(*gens))
-    return Completion(rid, job.created, job.model, [], usage=usage_of(*gens))
+        return ChatCompletionChunk(rid, job.created, job.model, [], usage=usage)
+    return Completion(rid, job.created, job.model, [], usage=usage)
+
+
+def _reasoning_total(counts: list[int | None]) -> int | None:
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else None
 
 
 class _Collected:
-    def __init__(self) -> None:
+    def __init__(self, events: ChoiceEvents | None) -> None:
+        self.events = events  # chat: the choice's reasoning / answer / tool-call split
         self.text: list[str] = []
+        self.reasoning: list[str] = []
         self.logprobs: list[PositionLogprobs] = []
         self.finish_reason: str | None = None
         self.cumulative_logprob: float | None = None
@@ -227,11 +258,18 @@ class Accumulator:
     def __init__(self, gen: Generation, namer: TokenNamer) -> None:
         self._gen = gen
         self._namer = namer
-        self._choices = [_Collected() for _ in range(gen.job.sampling.num_choices)]
+        chat = gen.job.kind == "chat"
+        self._choices = [_Collected(ChoiceEvents(gen.job) if chat else None)
+                         for _ in range(gen.job.sampling.num_choices)]
 
     def add(self, piece: Piece) -> None:
         c = self._choices[piece.index]
-        c.text.append(piece.text)
+        if c.events is None:
+            c.text.append(piece.text)
+        else:
+            events = c.events.feed(piece)
+            c.text.append(_joined(events, TextDelta))
+            c.reasoning.append(_joined(events, ReasoningDelta))
         if piece.logprobs:
             c.logprobs.extend(piece.logprobs)
         if piece.cumulative_logprob is not None:
@@ -246,16 +284,24 @@ class Accumulator:
             choices.sort(key=lambda c: -(c.cumulative_logprob or 0.0))
         return choices[: s.n]
 
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """Reasoning tokens of every choice sampled (None: no reasoning parser)."""
+        if self._gen.job.reasoning_parser is None:
+            return None
+        return sum(c.events.reasoning_tokens for c in self._choices if c.events is not None)
+
     def choices(self) -> list[ChatChoice] | list[CompletionChoice]:
         job = self._gen.job
         want = job.sampling.logprobs is not None
         out: list = []
         for i, c in enumerate(self.kept(), start=job.index_base):
             text = job.echo + "".join(c.text)
-            if job.kind == "chat":
+            if c.events is not None:
                 lp = self._namer.chat(c.logprobs) if want else None
-                message, reason = _message(job.tool_parser, text, c.finish_reason)
-                out.append(ChatChoice(i, message, lp, reason))
+                message = _message(c.events, text, "".join(c.reasoning),
+                                   job.reasoning_parser is not None)
+                out.append(ChatChoice(i, message, lp, c.events.finish_reason(c.finish_reason)))
             else:
                 lp = self._namer.completion(c.logprobs, len(job.echo)) if want else None
                 lp, prompt_lp = _prompt_parts(self._gen, self._namer, lp)
@@ -263,19 +309,17 @@ class Accumulator:
         return out
 
 
-def _message(tool_parser: Callable[[], Any] | None, text: str,
-             finish_reason: str | None) -> tuple[Message, str | None]:
-    """One choice's message, its tool calls split out by the request's parser (a stop after
-    calls is finish_reason `tool_calls`)."""
-    if tool_parser is not None:
-        parser = tool_parser()
-        events = parser.feed(text, final=True)
-        if parser.named_calls:
-            content = "".join(e.content for e in events if e.index is None).strip()
-            calls = [ToolCall(i, FunctionCall(name, args)) for i, name, args in parser.named_calls]
-            reason = "tool_calls" if finish_reason == FINISH_STOP else finish_reason
-            return Message("assistant", content or None, calls), reason
-    return Message("assistant", text), finish_reason
+def _message(events: ChoiceEvents, text: str, reasoning: str, parsed: bool) -> Message:
+    """One choice's message: its tool calls (then content is the text around them, stripped,
+    or null), and with a reasoning parser its reasoning (null when it had none)."""
+    message = Message("assistant", text)
+    if events.calls:
+        message.content = text.strip() or None
+        message.tool_calls = [ToolCall(i, FunctionCall(name, args))
+                              for i, name, args in events.calls]
+    if parsed:
+        message.reasoning_content = message.reasoning = reasoning or None
+    return message
 
 
 def response_of(accs: list[Accumulator]) -> ChatCompletion | Completion:
@@ -284,7 +328,7 @@ def response_of(accs: list[Accumulator]) -> ChatCompletion | Completion:
     job = gens[0].job
     rid = job.response_id or job.request_id
     choices = [c for a in accs for c in a.choices()]
-    usage = usage_of(*gens)
+    usage = usage_of(*gens, reasoning_tokens=_reasoning_total([a.reasoning_tokens for a in accs]))
     if job.kind == "chat":
         return ChatCompletion(rid, job.created, job.model, choices, usage,  # type: ignore[arg-type]
                               timeline=timeline_of(gens[0]))
@@ -293,14 +337,18 @@ def response_of(accs: list[Accumulator]) -> ChatCompletion | Completion:
                       timeline=timeline)
 
 
-def _call_deltas(events: list[CallEvent]) -> list[ToolCallDelta]:
+def _joined(events: list[ChoiceEvent], kind: type[TextDelta] | type[ReasoningDelta]) -> str:
+    return "".join(e.text for e in events if isinstance(e, kind))
+
+
+def _call_deltas(events: list[ChoiceEvent]) -> list[ToolCallDelta]:
     """A piece's call events as OpenAI tool_call deltas, argument fragments merged per call."""
     out: list[ToolCallDelta] = []
     for e in events:
-        if e.index is None:
-            continue
-        if e.name is not None:
+        if isinstance(e, CallStart):
             out.append(ToolCallDelta(e.index, FunctionCallDelta(e.name, ""), e.id, "function"))
+        elif not isinstance(e, CallArguments):
+            continue
         elif out and out[-1].index == e.index:
             out[-1].function.arguments = (out[-1].function.arguments or "") + e.arguments
         else:

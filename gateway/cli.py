@@ -22,6 +22,7 @@ import uvicorn
 
 from gateway.app import build_app
 from gateway.read_timeouts import timed_protocol
+from gateway.reasoning import REASONING_PARSERS
 from gateway.service import Gateway, GatewaySettings
 from gateway.tool_calls import PARSERS
 from gateway.tracing import traces_url
@@ -89,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "\"parameters\"}; ...), mistral ([TOOL_CALLS] [{...}]); auto picks "
                             "the chat template's format, hermes without a tools branch "
                             "(default: auto)")
+    group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="split chat replies into reasoning (`reasoning_content`) and "
+                            "answer: deepseek_r1 (text before </think>), qwen3 (inside "
+                            "<think>...</think>), deepseek_v3 (as deepseek_r1 when the request "
+                            "asks `thinking`), mistral ([THINK]...[/THINK]) (default: off)")
     _add_engine_process_args(serve)
     add_engine_args(serve)
     commands.add_parser("engine", help="run one engine process (python -m engine ...)",
@@ -218,6 +224,7 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
         body_timeout=ns.body_timeout,
         chat_template=Path(ns.chat_template).read_text() if ns.chat_template else None,
         tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
     )
 
 

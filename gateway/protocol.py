@@ -155,6 +155,7 @@ class _Common(msgspec.Struct, kw_only=True):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # vLLM's removed guided_* fields: gateway/refused.py answers them
+    add_special_tokens: bool = False  # the tokenizer's special tokens (a BOS) added to the prompt
 
     @property
     def include_usage(self) -> bool:
@@ -176,6 +177,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last message
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    chat_template: str | None = None  # vLLM's: this request's template, not the model's
+    # variables for templates that read them (a 400 names the field when this one does not)
+    documents: list[dict[str, Any]] | None = None  # RAG documents (vLLM's)
+    reasoning_effort: str | None = None  # e.g. gpt-oss's templates
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # default: auto with tools, none without
     parallel_tool_calls: bool = True
@@ -354,11 +359,16 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0  # output tokens inside the reasoning (--reasoning-parser)
+
+
 class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser
 
 
 class Timeline(msgspec.Struct):
@@ -413,6 +423,11 @@ class Message(msgspec.Struct):
     role: str
     content: str | None
     tool_calls: list[ToolCall] | UnsetType = UNSET  # left out when the reply made no calls
+    # NOTE: with --reasoning-parser only. vLLM renamed `reasoning_content` (DeepSeek's name)
+    # to `reasoning` (vLLM #27752) and later dropped the old name (#33402); clients still read
+    # either (the Vercel AI SDK and LiteLLM read `reasoning_content`), so both carry it.
+    reasoning_content: str | None | UnsetType = UNSET
+    reasoning: str | None | UnsetType = UNSET
 
 
 class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
@@ -434,6 +449,8 @@ class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None  # reasoning text (both names: see Message)
+    reasoning: str | None = None
 
 
 class ChatChoice(msgspec.Struct):

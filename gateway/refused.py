@@ -32,6 +32,9 @@ REFUSED_FIELDS: dict[str, str] = {
     "allowed_token_ids": "is not supported",
     "truncate_prompt_tokens": "is not supported: prompts are never truncated",
     "prompt_embeds": "is not supported",
+    "logits_processors": "is not supported: the server runs no custom logits processors",
+    "vllm_xargs": "is not supported: the server runs no custom logits processors that read it",
+    "mm_processor_kwargs": "is not supported: the model takes text only",
 }
 
 # tool calling is a chat feature: /v1/completions refuses these too
@@ -40,8 +43,10 @@ CHAT_ONLY_FIELDS: dict[str, str] = {
     for name in ("tools", "tool_choice", "parallel_tool_calls")
 }
 
-# NOTE: values that ask for nothing (clients often send them as defaults) are not refused
+# NOTE: values that ask for nothing (clients often send them as defaults) are not refused;
+# a guided_* field asks for something unless it is null (`guided_json: {}` is a schema)
 _EMPTY = (b"null", b"[]", b"{}", b'""', b"false")
+_NULL = (b"null",)
 
 _Refused = msgspec.defstruct(
     "_Refused", [(name, msgspec.Raw, msgspec.Raw(b"null"))
@@ -55,5 +60,6 @@ def check_refused(body: bytes, chat: bool = True) -> None:
     fields = _decoder.decode(body)
     table = REFUSED_FIELDS if chat else {**REFUSED_FIELDS, **CHAT_ONLY_FIELDS}
     for name, why in table.items():
-        if bytes(getattr(fields, name)).strip() not in _EMPTY:
+        empty = _NULL if name.startswith("guided_") else _EMPTY
+        if bytes(getattr(fields, name)).strip() not in empty:
             raise ApiError(400, f"`{name}` {why}", "unsupported_parameter", name)

@@ -20,6 +20,8 @@ from gateway.errors import ApiError, unavailable
 from gateway.generation import EngineClientLike, Generation, Job
 from gateway.metrics import Metrics
 from gateway.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, to_sampling
+from gateway.reasoning import REASONING_PARSERS
+from gateway.reasoning.think import ThinkParser
 from gateway.structured import CallSyntax, structured_for, tool_choice_of
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calls import PARSERS, detect_parser, parser_for, template_messages
@@ -51,6 +53,8 @@ class GatewaySettings:
     # how replies are split into content and tool calls: auto (from the chat template),
     # hermes, llama3_json or mistral (gateway/tool_parsers.py)
     tool_call_parser: str = "auto"
+    # splits chat replies into reasoning and answer: None (off) or a gateway/reasoning name
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         interval = self.sse_keepalive_interval
@@ -58,6 +62,8 @@ class GatewaySettings:
             raise ValueError("sse_keepalive_interval must be > 0 (or None: no keep-alive)")
         if self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
 
 
 def _engine_exception_types() -> tuple[type[BaseException], ...]:
@@ -164,13 +170,20 @@ class Gateway:
                 _prompt_param(request) if room < 1 else _max_tokens_param(request),
             )
         # NOTE: the engine's --max-logprobs, reported in its handshake: one limit, not two
+        reasoning = self._reasoning_parser(request, prompt_ids)
+        special = reasoning is not None and _special_markers(self.tokenizer(), reasoning.func)
+        if structured is not None and reasoning is not None:
+            prefix = reasoning().grammar(special)
+            if prefix is not None:  # NOTE: the grammar applies to the answer, after reasoning
+                structured = msgspec.structs.replace(structured, reasoning=prefix)
         info = self.client.info
         sampling = to_sampling(request, max_tokens or room, info.max_logprobs,  # type: ignore[union-attr]
                                structured)
         tool_parser = self._tool_parser(request, syntax)
-        if tool_parser is not None and (syntax.special_opening or syntax.special_closing):
-            # NOTE: the parser finds calls by their opening's text, which a special token
-            # only has when special tokens are kept (as vLLM does for Mistral)
+        if special or (tool_parser is not None
+                       and (syntax.special_opening or syntax.special_closing)):
+            # NOTE: the parsers find calls and reasoning markers by their text, which a special
+            # token only has when special tokens are kept (as vLLM does for Mistral)
             sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
         self._check_ids(request)
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
@@ -190,6 +203,7 @@ class Gateway:
             echo=self._echo_text(request, prompt_index),
             show_prompt_logprobs=request.prompt_logprobs is not None,
             tool_parser=tool_parser,
+            reasoning_parser=reasoning,
         )
 
     def call_syntax(self) -> CallSyntax:
@@ -217,6 +231,20 @@ class Gateway:
             return None
         names = frozenset(t.function.name for t in request.tools)
         return functools.partial(parser_for(syntax.parser), tools=names)
+
+    def _reasoning_parser(self, request: AnyRequest, prompt_ids: list[int]
+                          ) -> functools.partial[ThinkParser] | None:
+        """A maker of the request's reasoning parser (`--reasoning-parser`; chat only, as
+        vLLM), told how the prompt ends: a template may open or close the thinking itself."""
+        name = self.settings.reasoning_parser
+        if name is None or not isinstance(request, ChatCompletionRequest):
+            return None
+        cls = REASONING_PARSERS[name]
+        if not cls.thinks(request.chat_template_kwargs or {}):
+            return None
+        tok = self.tokenizer()
+        tail = tok.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return functools.partial(cls, tail, _one_token(tok, cls.start), _one_token(tok, cls.end))
 
     def start(self, job: Job) -> Generation:
         """Admit a Job: overload and engine-down become 503 with Retry-After."""
@@ -285,13 +313,15 @@ class Gateway:
         if max_model_len is not None:
             _check_text_length(chars, max_model_len, tok, "messages")
         tools = None
+        template = getattr(request, "chat_template", None)
         if isinstance(request, ChatCompletionRequest):
-            messages, tools = template_messages(request, messages, tok.has_tools_branch,
+            messages, tools = template_messages(request, messages, tok.reads("tools", template),
                                                 self.call_syntax().parser)
         return await _off_loop(chars, tok.apply_chat_template, messages,
                                request.add_generation_prompt, request.continue_final_message,
-                               request.chat_template_kwargs, self.settings.split_special_tokens,
-                               tools)
+                               _template_kwargs(request, tok, template),
+                               self.settings.split_special_tokens, tools, template,
+                               getattr(request, "add_special_tokens", False))
 
     async def encode_prompt(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """The token ids of a completions prompt (completions and /tokenize); text too long
@@ -317,7 +347,8 @@ class Gateway:
         tok = self.tokenizer()
         if isinstance(request, CompletionRequest):
             prompt = request.prompts[prompt_index]
-            ids = await self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = (await self.encode_prompt(prompt, request.add_special_tokens)
+                   if isinstance(prompt, str) else list(prompt))
         else:
             ids = await self.chat_prompt_ids(request, max_model_len)
         if not ids:
@@ -368,6 +399,35 @@ def _max_tokens_param(request: AnyRequest) -> str:
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         return "max_completion_tokens"
     return "max_tokens"
+
+
+def _template_kwargs(request: Any, tok: Tokenizer, template: str | None) -> dict[str, Any]:
+    """The template's extra variables: chat_template_kwargs, and vLLM's `documents` and
+    `reasoning_effort`, each refused when the template does not read it."""
+    kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
+    for name in ("documents", "reasoning_effort"):
+        value = getattr(request, name, None)
+        if value is None:
+            continue
+        if not tok.reads(name, template):
+            raise ApiError(400, f"`{name}` is not supported by this model's chat template (it "
+                           f"does not read `{name}`)", "unsupported_parameter", name)
+        kwargs[name] = value
+    return kwargs
+
+
+# NOTE: enough of the prompt's end to hold a template's `<think>\n\n</think>\n\n`
+_PROMPT_TAIL_TOKENS = 16
+
+
+def _one_token(tok: Tokenizer, text: str) -> int | None:
+    """The id of `text` when the tokenizer writes it as one token."""
+    ids = tok.encode(text)
+    return ids[0] if len(ids) == 1 else None
+
+
+def _special_markers(tok: Tokenizer, parser: Any) -> bool:
+    return any(tok.special_token_id(m) is not None for m in (parser.start, parser.end))
 
 
 def _special(tok: Tokenizer, text: str | None) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +23,8 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.errors import ApiError
+
+_REQUEST_TEMPLATES = 16  # per-request chat templates kept compiled
 
 
 class TemplateError(ApiError):
@@ -62,12 +65,14 @@ class Tokenizer:
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
         source = chat_template or _template_source(directory, config)
-        env = _environment()
-        self._template = env.from_string(source) if source else None
+        self._env = _environment()
+        self._template = self._env.from_string(source) if source else None
         self.template_source = source or None
+        self._variables = self._read_variables(source) if source else frozenset()
         # NOTE: a template that reads `tools` renders them itself (e.g. Qwen2.5's Hermes block)
-        self.has_tools_branch = bool(source) and "tools" in jinja2.meta.find_undeclared_variables(
-            env.parse(source))
+        self.has_tools_branch = "tools" in self._variables
+        self._request_templates: OrderedDict[str, tuple[jinja2.Template, frozenset[str]]] = (
+            OrderedDict())
         # NOTE: a second instance, as `encode_special_tokens` is a setting of the whole object
         # and encodes may run on several threads at once.
         self._plain = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
@@ -75,6 +80,33 @@ class Tokenizer:
         # NOTE: vocabulary keys are at least as long as the text of their token (byte-level
         # BPE writes each byte as one symbol), so this bounds characters per token from above.
         self.max_token_chars = max(len(k) for k in self._tok.get_vocab(with_added_tokens=True))
+
+    def _read_variables(self, source: str) -> frozenset[str]:
+        return frozenset(jinja2.meta.find_undeclared_variables(self._env.parse(source)))
+
+    def _compiled(self, chat_template: str | None) -> tuple[jinja2.Template | None,
+                                                             frozenset[str]]:
+        """The template and the variables it reads: the tokenizer's own, or a request's
+        (vLLM's per-request `chat_template`), compiled once (a small LRU)."""
+        if chat_template is None:
+            return self._template, self._variables
+        cached = self._request_templates.get(chat_template)
+        if cached is None:
+            try:
+                cached = (self._env.from_string(chat_template),
+                          self._read_variables(chat_template))
+            except jinja2.TemplateError as exc:
+                raise ApiError(400, f"chat_template does not compile: {exc}",
+                               "invalid_chat_template", "chat_template") from None
+            self._request_templates[chat_template] = cached
+            if len(self._request_templates) > _REQUEST_TEMPLATES:
+                self._request_templates.popitem(last=False)
+        self._request_templates.move_to_end(chat_template)
+        return cached
+
+    def reads(self, variable: str, chat_template: str | None = None) -> bool:
+        """Whether the chat template (the request's, else the tokenizer's) reads `variable`."""
+        return variable in self._compiled(chat_template)[1]
 
     def special_token_id(self, text: str) -> int | None:
         """The id of `text` when it is one special added token (as a template writes it)."""
@@ -107,19 +139,21 @@ class Tokenizer:
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
     ) -> str:
         """The rendered conversation. `continue_final_message`: end the text right after the
         last message's content (no end-of-turn), so the model continues that message;
-        `template_kwargs` are extra variables for the template (vLLM's chat_template_kwargs)."""
-        if self._template is None:
+        `template_kwargs` are extra variables for the template (vLLM's chat_template_kwargs);
+        `chat_template`: the request's own template instead of the tokenizer's."""
+        template = self._compiled(chat_template)[0]
+        if template is None:
             raise ApiError(
                 400, "this model's tokenizer has no chat template (a base model?): use "
                 "/v1/completions, or start the server with --chat-template FILE",
                 "chat_template_missing", "messages",
             )
         try:
-            text = self._template.render(
+            text = template.render(
                 **(template_kwargs or {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
@@ -142,19 +176,34 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
         split_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None, add_special_tokens: bool = False,
     ) -> list[int]:
-        """Token ids of the rendered conversation (the template writes its own special tokens);
+        """Token ids of the rendered conversation (the template writes its own special tokens;
+        `add_special_tokens` adds the tokenizer's too, e.g. a BOS, as vLLM's flag does);
         `split_special_tokens` encodes the messages' contents as plain text."""
         render = functools.partial(self.render_chat, add_generation_prompt=add_generation_prompt,
                                    continue_final_message=continue_final_message,
-                                   template_kwargs=template_kwargs, tools=tools)
+                                   template_kwargs=template_kwargs, tools=tools,
+                                   chat_template=chat_template)
         text = render(messages)
         if not split_special_tokens:
-            return self.encode(text)
+            return self.encode(text, add_special_tokens)
         ids: list[int] = []
         for piece, plain in self._segments(messages, render, text):
             ids += self.encode(piece, split_special_tokens=plain)
+        if add_special_tokens:  # NOTE: the tokenizer's own additions, around the whole text
+            prefix, suffix = self._added_around()
+            ids = prefix + ids + suffix
         return ids
+
+    def _added_around(self) -> tuple[list[int], list[int]]:
+        """The ids `add_special_tokens` puts before and after a text (e.g. a BOS)."""
+        plain = self._tok.encode("\ue000", add_special_tokens=False).ids
+        added = self._tok.encode("\ue000", add_special_tokens=True).ids
+        for i in range(len(added) - len(plain) + 1):
+            if added[i : i + len(plain)] == plain:
+                return added[:i], added[i + len(plain):]
+        return [], []
 
     def _segments(self, messages: list[dict[str, Any]], render: Callable[[list], str],
                   text: str) -> list[tuple[str, bool]]:

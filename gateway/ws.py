@@ -112,8 +112,16 @@ class Outbox:
             self._wake.set()
 
 
+# NOTE: the delta fields that carry text; merged deltas concatenate them
+_TEXT_FIELDS = ("content", "reasoning_content", "reasoning")
+
+
 def _chunk_chars(chunk: dict[str, Any]) -> int:
-    return sum(len(c.get("delta", {}).get("content") or "") for c in chunk.get("choices", []))
+    return sum(_delta_chars(c.get("delta", {})) for c in chunk.get("choices", []))
+
+
+def _delta_chars(delta: dict[str, Any]) -> int:
+    return sum(len(delta.get(f) or "") for f in _TEXT_FIELDS)
 
 
 def _merge_chunk(into: dict[str, Any], new: dict[str, Any]) -> int:
@@ -125,11 +133,14 @@ def _merge_chunk(into: dict[str, Any], new: dict[str, Any]) -> int:
                            if c["index"] == new_choice["index"]), None)
         if old_choice is None:
             into["choices"].append(new_choice)
-            added += len(new_choice["delta"].get("content") or "")
+            added += _delta_chars(new_choice["delta"])
             continue
-        text = new_choice["delta"].get("content") or ""
-        old_delta = old_choice["delta"]
-        old_delta["content"] = (old_delta.get("content") or "") + text
+        new_delta, old_delta = new_choice["delta"], old_choice["delta"]
+        for name in _TEXT_FIELDS:
+            if new_delta.get(name):
+                old_delta[name] = (old_delta.get(name) or "") + new_delta[name]
+        if new_delta.get("tool_calls"):  # NOTE: clients join a call's fragments by index
+            old_delta.setdefault("tool_calls", []).extend(new_delta["tool_calls"])
         if new_choice.get("logprobs"):
             if old_choice.get("logprobs"):
                 old_choice["logprobs"]["content"].extend(new_choice["logprobs"]["content"])
@@ -137,7 +148,7 @@ def _merge_chunk(into: dict[str, Any], new: dict[str, Any]) -> int:
                 old_choice["logprobs"] = new_choice["logprobs"]
         old_choice["finish_reason"] = (new_choice.get("finish_reason")
                                        or old_choice["finish_reason"])
-        added += len(text)
+        added += _delta_chars(new_delta)
     if "timeline" in new:
         into["timeline"] = new["timeline"]
     return added
@@ -316,11 +327,12 @@ class Session:
             return
         status = "cancelled" if gen.finish_reason == FINISH_ABORT else "completed"
         reason = builder.finish_reason if builder is not None else lambda r, i=0: r
+        reasoning = builder.reasoning_tokens if builder is not None else None
         self.push({"type": "generation.done", "id": gen_id, "status": status,
                    "finish_reason": reason(gen.finish_reason),
                    "finish_reasons": [reason(r, i) for i, r in
                                       enumerate(gen.choice_finish_reasons)],
-                   "usage": msgspec.to_builtins(usage_of(gen)),
+                   "usage": msgspec.to_builtins(usage_of(gen, reasoning_tokens=reasoning)),
                    "timeline": msgspec.to_builtins(timeline_of(gen))})
 
     # ---- frames out ---------------------------------------------------------------------

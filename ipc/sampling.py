@@ -24,6 +24,9 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     choice: tuple[str, ...] | None = None  # exactly one of these strings
     grammar: str | None = None  # a Lark grammar as llguidance takes it (may embed %json{...})
     whitespace_pattern: str | None = None  # JSON: the regex whitespace between tokens matches
+    # a Lark grammar of what comes first, with `@answer` where the grammar above applies:
+    # the model's reasoning, free until its end marker (gateway/reasoning/think.py)
+    reasoning: str | None = None
     param: str = "structured_outputs"
 
     def __post_init__(self) -> None:
@@ -38,7 +41,7 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     def key(self) -> tuple:
         """What identifies the compiled grammar (the cache key)."""
         return (self.json, self.json_object, self.regex, self.choice, self.grammar,
-                self.whitespace_pattern)
+                self.whitespace_pattern, self.reasoning)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

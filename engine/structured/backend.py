@@ -16,6 +16,25 @@ from ipc.sampling import StructuredOutputs
 
 def grammar_text(spec: StructuredOutputs) -> str:
     """The llguidance grammar (its JSON form) of a spec; raises GrammarError on bad input."""
+    answer = _answer_text(spec)
+    if spec.reasoning is None:
+        return answer
+    return after_reasoning(spec.reasoning, answer)
+
+
+def after_reasoning(reasoning: str, answer: str) -> str:
+    """One grammar: the Lark `reasoning`, whose `@answer` is the grammar `answer` (llguidance
+    joins several grammars of one request by name)."""
+    try:
+        top = json.loads(answer)
+    except ValueError:  # NOTE: llguidance takes plain Lark text as a grammar too
+        top = {"grammars": [{"lark_grammar": answer}]}
+    grammars = top["grammars"]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    return json.dumps({**top, "grammars": [{"lark_grammar": reasoning}, *grammars]})
+
+
+def _answer_text(spec: StructuredOutputs) -> str:
     if spec.json is not None or spec.json_object:
         schema = spec.json if spec.json is not None else '{"type": "object"}'
         options = json_options(spec.whitespace_pattern)

@@ -235,3 +235,34 @@ def test_outbox_merges_choices_by_index() -> None:
     assert len(box) == 1
     merged = box._frames[0]["chunk"]["choices"]
     assert [(c["index"], c["delta"]["content"]) for c in merged] == [(0, "ac"), (1, "b")]
+
+
+async def test_deltas_carry_the_reasoning_split(tokenizer_dir) -> None:
+    reply = "I weigh it up</think>Hello there"
+    engine = FakeEngine(tokenizer_dir, reply=reply, interval=0.001)
+    app = build_app(engine, GatewaySettings(reasoning_parser="deepseek_r1"))
+    async with serve(app) as url, websockets.connect(
+        _ws_url(url), subprotocols=["pagedserve.v1"]
+    ) as ws:
+        assert (await _recv(ws))["type"] == "session.created"
+        await ws.send(json.dumps({"type": "generate", "id": "r", "request": REQUEST}))
+        frames = await _until_done(ws, {"r"})
+    deltas = [f["chunk"]["choices"][0]["delta"] for f in frames
+              if f["type"] == "generation.delta"]
+    want_reasoning, _, want_content = reply.partition("</think>")
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == want_reasoning
+    assert "".join(d.get("reasoning") or "" for d in deltas) == want_reasoning
+    assert "".join(d.get("content") or "" for d in deltas) == want_content
+    done = next(f for f in frames if f["type"] == "generation.done")
+    assert done["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+
+
+def test_merged_deltas_keep_reasoning_and_calls() -> None:
+    box = Outbox(max_frames=8)
+    for delta in ({"reasoning_content": "a"}, {"reasoning_content": "b", "content": "c"},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}):
+        box.push({"type": "generation.delta", "id": "g", "chunk": {"choices": [
+            {"index": 0, "delta": delta, "finish_reason": None}]}})
+    merged = box._frames[0]["chunk"]["choices"][0]["delta"]
+    assert merged["reasoning_content"] == "ab" and merged["content"] == "c"
+    assert merged["tool_calls"] == [{"index": 0, "function": {"arguments": "{"}}]
