@@ -106,6 +106,15 @@ def to_chat(request: CountTokensRequest) -> ChatCompletionRequest:
                                                     request.top_k)
         chat.stop = list(request.stop_sequences) if request.stop_sequences else None
         chat.user = request.metadata.user_id if request.metadata else None
+        chat.seed, chat.logit_bias = request.seed, request.logit_bias
+    last = request.messages[-1]
+    if last.role == "assistant":
+        # NOTE: Anthropic's prefill: the reply continues the final assistant turn
+        if messages[-1].tool_calls:
+            raise ApiError(400, "a final assistant turn cannot hold tool_use blocks (their "
+                           "tool_result comes in a user turn after it)", "invalid_value",
+                           f"messages[{len(request.messages) - 1}].content")
+        chat.continue_final_message, chat.add_generation_prompt = True, False
     return chat
 
 

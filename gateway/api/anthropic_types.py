@@ -160,6 +160,10 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_p: float | None = None
     top_k: NonNegInt | None = None
     metadata: Metadata | None = None
+    # pagedserve extensions (as vLLM's extras on chat): a sampling seed, and token id (as a
+    # string) -> a bias added to its logit
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    logit_bias: dict[str, float] | None = None
     # accepted, and change nothing here
     service_tier: str | None = None
     inference_geo: str | None = None

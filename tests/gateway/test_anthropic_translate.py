@@ -110,3 +110,15 @@ def test_missing_max_tokens_is_named_and_count_tokens_needs_none() -> None:
     assert info.value.param == "max_tokens"
     chat = to_chat(decode_messages(json.dumps(body).encode(), CountTokensRequest))
     assert chat.max_tokens is None and chat.messages[0].content == "hi"
+
+
+def test_a_final_assistant_turn_is_continued() -> None:
+    chat = _chat(messages=[{"role": "user", "content": "2+2?"},
+                           {"role": "assistant", "content": "The answer is"}])
+    assert chat.continue_final_message and not chat.add_generation_prompt
+    assert not _chat(messages=[{"role": "user", "content": "x"}]).continue_final_message
+    error = _refused({"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                           "input": {}}]}]})
+    assert error.param == "messages[1].content"
