@@ -120,6 +120,8 @@ class MessagesApi:
                 finish = piece.finish_reason or finish
         finally:
             await self._close(gen)
+        if finish is None:
+            return anthropic_error_response(_NO_END)
         blocks.finish()
         job = gen.job
         stop = gen.stop_string()
@@ -154,6 +156,7 @@ class MessagesApi:
                     yield sse(MessageDelta(delta, _usage(gen)))
                     yield sse(MessageStop())
                     return
+            yield sse_error(_NO_END)  # NOTE: never left without a terminal event
         finally:
             await pieces.aclose()
             await self._close(gen)
@@ -165,6 +168,9 @@ class MessagesApi:
     async def _close(self, gen: Generation) -> None:
         await gen.aclose()
         self.gw.finished(gen)
+
+
+_NO_END = ApiError(500, "the engine stream ended without a final output", "engine_error")
 
 
 def _ended(piece: Piece) -> ApiError:
