@@ -34,6 +34,7 @@ from gateway.errors import ApiError
 from gateway.generation import Generation, Piece, piece_error
 from gateway.service import Gateway
 from gateway.streaming import DisconnectAwareResponse, EventStreamResponse
+from gateway.structured import structured_for
 from gateway.tracing import trace_headers
 from ipc.messages import FINISH_ABORT, FINISH_ERROR
 
@@ -66,6 +67,7 @@ class MessagesApi:
             chat = to_chat(decode_messages(body, CountTokensRequest))
             gw.require_ready()
             gw.check_model(chat.model)
+            structured_for(chat, gw.call_syntax())  # NOTE: refuses what the request would
             ids = await gw.chat_prompt_ids(chat, gw.client.info.max_model_len)  # type: ignore[union-attr]
         except ApiError as exc:
             return anthropic_error_response(exc)

@@ -136,6 +136,10 @@ def test_bad_requests_name_the_field(client: anthropic.Anthropic, server_url: st
         assert error["type"] == "invalid_request_error" and field in error["message"], error
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-x", max_tokens=4, messages=HELLO)
+    with pytest.raises(anthropic.BadRequestError) as info:  # count_tokens refuses it too
+        client.messages.count_tokens(model=MODEL_NAME, messages=HELLO, tools=[WEATHER],
+                                     tool_choice={"type": "tool", "name": "nope"})
+    assert "tool_choice" in info.value.body["error"]["message"]
     raw = [httpx.post(f"{server_url}/v1/messages", content=b"{not json"),
            httpx.post(f"{server_url}/v1/messages", json={"model": MODEL_NAME,
                                                           "messages": HELLO}),
