@@ -1,11 +1,11 @@
-"""The Starlette app: OpenAI endpoints (JSON and SSE), cancel, health, version, metrics, OpenAPI.
+"""The Starlette app: OpenAI endpoints (JSON and SSE), Anthropic Messages (gateway/api/), cancel,
+health, version, metrics, OpenAPI.
 
 `build_app(client, settings)` takes any EngineClient-shaped object, so tests can script one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,7 +20,11 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
+from gateway.api.anthropic_errors import anthropic_error_response, is_messages_path
+from gateway.api.anthropic_messages import messages_routes
+from gateway.api.openai_responses import ResponsesRoutes
 from gateway.auth import ApiKeyMiddleware
+from gateway.body import read_body
 from gateway.chunks import Accumulator, ChunkBuilder, response_of, usage_chunk
 from gateway.errors import ApiError
 from gateway.generation import EngineClientLike, Generation, Piece, merged, piece_error
@@ -41,40 +45,17 @@ from gateway.protocol import (
     decode_request,
 )
 from gateway.service import Gateway, GatewaySettings
-from gateway.streaming import DisconnectAwareResponse, EventStreamResponse
+from gateway.streaming import PING, DisconnectAwareResponse, EventStreamResponse
 from gateway.tracing import trace_headers
 from gateway.ws import WebSocketEndpoint
 from ipc.messages import FINISH_ERROR
 
 DONE = b"data: [DONE]\n\n"
-PING = b": ping\n\n"
 STATIC = Path(__file__).parent / "static"  # the chat page (clients/typescript builds sdk/)
 
 
 def sse_event(payload: object) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
-
-
-async def read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The body, refused with 413 as soon as it passes `limit` bytes (header or stream), and
-    with 408 (the connection then closes) when it takes longer than `timeout` seconds."""
-    too_large = ApiError(413, f"request body is larger than {limit} bytes", "request_too_large")
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise too_large
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
-    except TimeoutError:
-        # NOTE: Connection: close, as the rest of the body is not awaited
-        raise ApiError(408, f"the request body did not arrive within {timeout:g} s",
-                       "request_timeout", headers={"Connection": "close"}) from None
-    return b"".join(chunks)
 
 
 class Handlers:
@@ -251,12 +232,16 @@ class Handlers:
 async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own 404/405 in the API's error shape."""
     assert isinstance(exc, HTTPException)
+    if is_messages_path(request.url.path):
+        return anthropic_error_response(ApiError(exc.status_code, str(exc.detail), "http_error"))
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     return ApiError(exc.status_code, str(exc.detail), code).response()
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     """A bug's 500 in the API's error shape (Starlette still re-raises it for the server's log)."""
+    if is_messages_path(request.url.path):
+        return anthropic_error_response(ApiError(500, "internal server error", "internal_error"))
     return ApiError(500, "internal server error", "internal_error").response()
 
 
@@ -277,7 +262,6 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
               gateway: Gateway | None = None) -> Starlette:
     gw = gateway or Gateway(client, settings or GatewaySettings())
     h = Handlers(gw)
-    from gateway.api.openai_responses import ResponsesRoutes  # NOTE: it imports read_body
 
     responses = ResponsesRoutes(gw)
     routes = [
@@ -290,6 +274,7 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
         Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        *messages_routes(gw),
         Route("/v1/requests/{request_id}/cancel", h.cancel, methods=["POST"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/livez", h.livez, methods=["GET"]),
@@ -304,8 +289,9 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
         Middleware(CORSMiddleware, allow_origins=list(gw.settings.allowed_origins),
                    allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                    allow_headers=["Authorization", "Content-Type", "traceparent",
-                                  "tracestate"],
-                   expose_headers=["X-Request-Id", "Retry-After"]),
+                                  "tracestate", "x-api-key", "anthropic-version",
+                                  "anthropic-beta", "anthropic-dangerous-direct-browser-access"],
+                   expose_headers=["X-Request-Id", "Retry-After", "request-id"]),
         Middleware(ApiKeyMiddleware, api_key=gw.settings.api_key),
     ]
     app = Starlette(routes=routes, middleware=middleware,

@@ -1,4 +1,5 @@
-"""API-key auth: Bearer tokens compared in constant time (WebSockets check it in the session)."""
+"""API-key auth on /v1: `Authorization: Bearer <key>` or Anthropic's `x-api-key: <key>`,
+compared in constant time (WebSockets check it in the session)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.api.anthropic_errors import anthropic_error_response, is_messages_path
 from gateway.errors import ApiError
 
 
 class ApiKeyMiddleware:
-    """Bearer auth on /v1 (constant-time compare); WebSockets are checked in the session."""
+    """Key auth on /v1; a failure is a 401 in the route's error shape (OpenAI's, or
+    Anthropic's on /v1/messages)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
@@ -23,12 +26,17 @@ class ApiKeyMiddleware:
             or scope.get("method") == "OPTIONS"
             or not scope["path"].startswith("/v1/")
             or bearer_ok(_header(scope, b"authorization"), self._key)
+            or key_ok(_header(scope, b"x-api-key"), self._key)
         ):
             await self.app(scope, receive, send)
             return
         error = ApiError(401, "missing or invalid API key", "invalid_api_key",
                          headers={"WWW-Authenticate": "Bearer"})
-        await error.response()(scope, receive, send)
+        if is_messages_path(scope["path"]):
+            response = anthropic_error_response(error)
+        else:
+            response = error.response()
+        await response(scope, receive, send)
 
 
 def _header(scope: Scope, name: bytes) -> bytes:
@@ -41,3 +49,8 @@ def _header(scope: Scope, name: bytes) -> bytes:
 def bearer_ok(header: bytes, key: bytes) -> bool:
     scheme, _, token = header.partition(b" ")
     return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+
+
+def key_ok(header: bytes, key: bytes) -> bool:
+    """Anthropic's `x-api-key` (accepted on every /v1 route, as the Bearer token is)."""
+    return bool(header) and hmac.compare_digest(header.strip(), key)

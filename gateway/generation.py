@@ -157,6 +157,10 @@ class Generation:
         """True once `aclose` ran (the request is aborted if unfinished, and counted)."""
         return self._closed
 
+    def stop_string(self, index: int = 0) -> str | None:
+        """The stop string that ended choice `index`, if one did."""
+        return self._texts[index].matched
+
     @property
     def usage(self) -> dict[str, int]:
         prompt = len(self.job.prompt_ids)

@@ -11,6 +11,14 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
+from gateway.api.anthropic_errors import AnthropicError
+from gateway.api.anthropic_types import (
+    CountTokensRequest,
+    MessageReply,
+    MessagesRequest,
+    StreamEvent,
+    TokenCount,
+)
 from gateway.api.responses_types import (
     DeletedResponse,
     ResponseEvent,
@@ -37,6 +45,8 @@ REF = "#/components/schemas/{name}"
 Schema = dict[str, Any]
 # NOTE: /v1 checks a key only when the server has one (--api-key), hence "bearer or nothing".
 BEARER: list[dict[str, list[str]]] = [{"bearerAuth": []}, {}]
+# NOTE: the Anthropic routes take the key as `x-api-key` too (every /v1 route accepts both)
+KEYED: list[dict[str, list[str]]] = [{"bearerAuth": []}, {"apiKeyHeader": []}, {}]
 
 
 # Bodies the handlers write as plain dicts, described here.
@@ -60,11 +70,19 @@ class Cancelled(msgspec.Struct):
     cancelled: bool
 
 
+class MessagesStreamEvent(msgspec.Struct):
+    """Holder of the /v1/messages stream's event union, so it gets one component."""
+
+    event: StreamEvent
+
+
 REQUESTS = (ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest,
-            TokenizeChatRequest, DetokenizeRequest, ResponsesRequest)
+            TokenizeChatRequest, DetokenizeRequest, ResponsesRequest, MessagesRequest,
+            CountTokensRequest)
 RESPONSES = (ChatCompletion, ChatCompletionChunk, Completion, ModelList, ErrorEnvelope, Health,
              Liveness, VersionInfo, Cancelled, ModelCard, TokenizeResponse, DetokenizeResponse,
-             ResponseObject, ResponseEvent, DeletedResponse)
+             ResponseObject, ResponseEvent, DeletedResponse, MessageReply, TokenCount,
+             AnthropicError, MessagesStreamEvent)
 
 
 def _structs(tp: Any, found: dict[str, type]) -> dict[str, type]:
@@ -208,6 +226,46 @@ def _responses(refs: dict[str, Schema]) -> dict[str, Schema]:
             "get": stored("retrieveResponse", refs["ResponseObject"], "a stored response"),
             "delete": stored("deleteResponse", refs["DeletedResponse"], "it is deleted")},
     }
+ANTHROPIC_ERRORS = {
+    **{s: ERRORS[s] for s in (400, 401, 404, 413, 500)},
+    529: "engine not ready, overloaded or draining (Anthropic's overloaded_error)",
+}
+MESSAGES_EXAMPLES = {
+    "message": {"value": {"messages": HI, "max_tokens": 16}},
+    "stream": {"summary": "streamed, with a system prompt", "value": {
+        "system": "You are terse.", "messages": HI, "max_tokens": 16, "stream": True}},
+}
+
+
+def _anthropic_errors(refs: dict[str, Schema]) -> dict[str, Schema]:
+    return {str(s): _json(refs["AnthropicError"], why, RETRY_AFTER if s == 529 else None)
+            for s, why in ANTHROPIC_ERRORS.items()}
+
+
+def _messages(refs: dict[str, Schema], components: dict[str, Schema]) -> dict[str, Schema]:
+    """/v1/messages (JSON, or Anthropic's named SSE events) and its count_tokens."""
+    events = components.pop("MessagesStreamEvent")["properties"]["event"]
+    payload = {"contentMediaType": "application/json",
+               "contentSchema": {"anyOf": [events, refs["AnthropicError"]]}}
+    stream = {"type": "object", "required": ["event", "data"], "properties": {
+        "event": {"type": "string"}, "data": {"type": "string", **payload}}}
+    ok = {"description": "a message; with `stream: true`, Anthropic's server-sent events "
+                         "(message_start ... message_stop, or an `error` event)",
+          "headers": REQUEST_ID,
+          "content": {"application/json": {"schema": refs["MessageReply"]},
+                      "text/event-stream": {"schema": stream}}}
+
+    def post(operation_id: str, request: str, answer: Schema) -> Schema:
+        return {"post": {
+            "operationId": operation_id, "security": KEYED,
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": refs[request], "examples": MESSAGES_EXAMPLES}}},
+            "responses": {"200": answer, **_anthropic_errors(refs)}}}
+
+    return {"/v1/messages": post("createMessage", "MessagesRequest", ok),
+            "/v1/messages/count_tokens": post(
+                "countMessageTokens", "CountTokensRequest",
+                _json(refs["TokenCount"], "the prompt's tokens, as /v1/messages renders it"))}
 
 
 def _post(operation_id: str, body: Schema, ok: Schema, refs: dict[str, Schema],
@@ -271,15 +329,19 @@ def openapi_document() -> dict[str, Any]:
             "description": "Prometheus text exposition",
             "content": {"text/plain": {"schema": {"type": "string"}}}}}),
         "/openapi.json": _get("openapi", {"200": _json({"type": "object"}, "this document")}),
+        **_messages(refs, components),
     }
     return {
         "openapi": "3.1.0",
         "info": {"title": "pagedserve", "version": package_version(),
-                 "description": "OpenAI-compatible completions, chat completions and responses."},
+                 "description": "OpenAI-compatible completions, chat completions and responses, "
+                                "and Anthropic Messages."},
         "paths": paths,
         "components": {
             "schemas": components,
-            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"},
+                                "apiKeyHeader": {"type": "apiKey", "in": "header",
+                                                 "name": "x-api-key"}},
         },
     }
 

@@ -19,7 +19,7 @@ MAX_HEAD_BYTES = 16 * 1024  # NOTE: h11's bound, which uvicorn's h11 protocol ha
 class TimedHttpToolsProtocol(HttpToolsProtocol):
     """Closes a connection whose request head is not in `header_timeout` seconds after it
     opened (or after the last response, on keep-alive), or whose body is not in
-    `body_timeout` seconds after its head (gateway.app.read_body answers 408 first; this also
+    `body_timeout` seconds after its head (gateway.body.read_body answers 408 first; this also
     covers bodies no handler reads: a 401, a 404, a 413). A head over MAX_HEAD_BYTES gets a
     400 (httptools itself has no bound), counted up to the blank line that ends it, so a body
     sharing the read is not counted; pipelined heads behind a running request are counted

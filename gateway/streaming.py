@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+PING = b": ping\n\n"  # an SSE comment: keeps a quiet stream open
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 

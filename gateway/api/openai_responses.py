@@ -29,12 +29,12 @@ from gateway.api.responses_types import (
     TextConfig,
     TextFormat,
 )
-from gateway.app import PING, read_body  # NOTE: gateway.app imports this module lazily
+from gateway.body import read_body
 from gateway.errors import ApiError
 from gateway.generation import Generation, Job, Piece, piece_error
 from gateway.protocol import ChatMessage, FunctionCall, ToolCall, check_request, decode_body
 from gateway.service import Gateway
-from gateway.streaming import DisconnectAwareResponse, EventStreamResponse
+from gateway.streaming import PING, DisconnectAwareResponse, EventStreamResponse
 from gateway.tracing import trace_headers
 from ipc.messages import FINISH_ERROR
 

@@ -128,7 +128,7 @@ async def test_fuzz_against_the_document(fake_engine: FakeEngine, label: str) ->
         if running is not None:
             assert (await running).json()["choices"][0]["finish_reason"] == "abort"
     assert any(key.startswith("200 ") for key in seen), seen
-    if label.endswith(("completions", "/v1/responses")):
+    if label.endswith(("completions", "/v1/responses", "/v1/messages")):
         assert seen["200 application/json"] and seen["200 text/event-stream"], seen
 
 

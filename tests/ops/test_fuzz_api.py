@@ -73,6 +73,14 @@ valid_responses = st.fixed_dictionaries({"input": text.filter(str.strip) | items
     "tool_choice": st.sampled_from(["none", "auto", "required"]),
     "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
     "previous_response_id": st.just("resp_unknown"), "metadata": st.just({"k": "v"})})
+blocks = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2)
+valid_messages = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant"]), "content": text | blocks}), min_size=1,
+    max_size=3), "max_tokens": st.integers(1, 20)}, optional={
+    "model": st.just("test-model"), "stream": st.booleans(), "system": text | blocks,
+    "temperature": st.floats(0, 1), "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 50),
+    "stop_sequences": st.lists(st.text(min_size=1, max_size=4), max_size=3),
+    "metadata": st.fixed_dictionaries({"user_id": st.text(max_size=6)})})
 
 
 def mutated(valid: st.SearchStrategy[dict]) -> st.SearchStrategy[Any]:
@@ -94,6 +102,7 @@ def mutated(valid: st.SearchStrategy[dict]) -> st.SearchStrategy[Any]:
 chat_body = mutated(valid_chat)
 completion_body = mutated(valid_completion)
 responses_body = mutated(valid_responses)
+messages_body = mutated(valid_messages)
 
 
 def encode(body: Any, mangle: int) -> bytes:
@@ -111,10 +120,30 @@ def check_error(payload: Any) -> None:
     assert isinstance(error["type"], str) and "param" in error
 
 
+def check_anthropic_error(payload: Any) -> None:
+    assert payload["type"] == "error" and isinstance(payload["error"]["message"], str)
+    assert payload["error"]["type"] in ("invalid_request_error", "not_found_error",
+                                        "request_too_large", "authentication_error")
+
+
+def check_anthropic(response: Any) -> None:
+    """/v1/messages: Anthropic's error shape; a stream of named events ending message_stop."""
+    if response.status_code >= 400:
+        check_anthropic_error(response.json())
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        names = [line[7:] for line in response.text.splitlines() if line.startswith("event: ")]
+        assert names[0] == "message_start" and names[-1] == "message_stop", names
+    else:
+        body = response.json()
+        assert "input_tokens" in body if "count_tokens" in str(response.url) else body["content"]
+
+
 def check_response(response: Any) -> None:
     event(f"status {response.status_code}")  # NOTE: --hypothesis-show-statistics shows the mix
     assert response.status_code < 500, response.text
-    if response.status_code >= 400:
+    if "/v1/messages" in str(response.url):
+        check_anthropic(response)
+    elif response.status_code >= 400:
         check_error(response.json())
     elif response.headers["content-type"].startswith("text/event-stream"):
         data = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
@@ -141,7 +170,9 @@ def client(bundled_tokenizer_dir: Path) -> Any:
 
 @pytest.mark.parametrize("path, bodies", [("/v1/chat/completions", chat_body),
                                           ("/v1/completions", completion_body),
-                                          ("/v1/responses", responses_body)])
+                                          ("/v1/responses", responses_body),
+                                          ("/v1/messages", messages_body),
+                                          ("/v1/messages/count_tokens", messages_body)])
 def test_http_bodies_never_5xx(client: TestClient, path: str, bodies: Any) -> None:
     @SETTINGS
     @given(body=bodies, mangle=st.sampled_from([0, 0, 0, 0, 0, 1, 3]))
@@ -153,8 +184,9 @@ def test_http_bodies_never_5xx(client: TestClient, path: str, bodies: Any) -> No
 
 
 PATHS = ["/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses",
-         "/v1/responses/resp_x", "/health", "/livez",
-         "/version", "/metrics", "/v1/requests/x/cancel", "/nope", "/v1/../health"]
+         "/v1/responses/resp_x", "/health", "/livez", "/version", "/metrics",
+         "/v1/requests/x/cancel", "/nope", "/v1/../health", "/v1/messages",
+         "/v1/messages/count_tokens", "/v1/messages/nope"]
 
 
 @SETTINGS
@@ -164,7 +196,9 @@ PATHS = ["/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses
 def test_raw_requests_never_5xx(client: TestClient, method: str, path: str, body: bytes) -> None:
     response = client.request(method, path, content=body)
     assert response.status_code < 500, response.text
-    if response.status_code >= 400 and path.startswith("/v1"):
+    if response.status_code >= 400 and path.startswith("/v1/messages"):
+        check_anthropic_error(response.json())
+    elif response.status_code >= 400 and path.startswith("/v1"):
         check_error(response.json())
 
 
