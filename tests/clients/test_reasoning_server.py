@@ -102,3 +102,20 @@ def test_json_schema_answer_after_reasoning(client: openai.OpenAI) -> None:
                     **THINK, "max_tokens": 120})
             content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             assert content == message.content
+
+
+def test_a_forced_tool_call_after_reasoning(client: openai.OpenAI) -> None:
+    tool = {"type": "function", "function": {"name": "check", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                               "maximum": 99}},
+        "required": ["n"], "additionalProperties": False}}}
+    seed, reply, texts = _thinking(client, tools=[tool], tool_choice="required",
+                                   parallel_tool_calls=False,
+                                   max_tokens=120)
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning_content"] == "".join(texts).partition(
+        "</think>")[0]
+    assert reply.choices[0].finish_reason == "tool_calls"
+    (call,) = message.tool_calls
+    assert call.function.name == "check"
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
