@@ -41,6 +41,7 @@ from gateway.protocol import (
     decode_request,
 )
 from gateway.service import Gateway, GatewaySettings
+from gateway.stats_stream import StatsFeed
 from gateway.streaming import DisconnectAwareResponse, EventStreamResponse
 from gateway.tracing import trace_headers
 from gateway.ws import WebSocketEndpoint
@@ -48,7 +49,7 @@ from ipc.messages import FINISH_ERROR
 
 DONE = b"data: [DONE]\n\n"
 PING = b": ping\n\n"
-STATIC = Path(__file__).parent / "static"  # the chat page (clients/typescript builds sdk/)
+STATIC = Path(__file__).parent / "static"  # chat page, /dashboard (clients/typescript builds sdk/)
 
 
 def sse_event(payload: object) -> bytes:
@@ -80,6 +81,9 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
 class Handlers:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        m = gateway.metrics
+        self.stats_feed = StatsFeed(lambda: gateway.client.engine_stats, m.ttft.ours, m.itl.ours,
+                                    lambda: len(gateway.generations))
 
     def _cards(self) -> list[ModelCard]:
         gw, info = self.gw, self.gw.client.info
@@ -244,6 +248,10 @@ class Handlers:
     async def metrics(self, request: Request) -> Response:
         return Response(self.gw.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def stats_stream(self, request: Request) -> Response:
+        """The live view's feed: the kept history, then a snapshot a second (never ends)."""
+        return EventStreamResponse(self.stats_feed.events(), lambda: None)
+
     async def openapi(self, request: Request) -> Response:
         return _json(openapi_document())
 
@@ -289,9 +297,12 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
         Route("/livez", h.livez, methods=["GET"]),
         Route("/version", h.version, methods=["GET"]),
         Route("/metrics", h.metrics, methods=["GET"]),
+        Route("/v1/stats/stream", h.stats_stream, methods=["GET"]),
         Route("/openapi.json", h.openapi, methods=["GET"]),
         WebSocketRoute("/v1/ws", WebSocketEndpoint(gw)),
         Route("/", lambda request: FileResponse(STATIC / "index.html"), methods=["GET"]),
+        Route("/dashboard", lambda request: FileResponse(STATIC / "dashboard.html"),
+              methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     middleware = [

@@ -126,6 +126,34 @@ ERRORS = {
 }
 
 
+_P = {"type": "object", "properties": {f"p{q}": {"type": ["number", "null"]}
+                                       for q in (50, 90, 99)}}
+_ENGINE = {"type": "object", "properties": {
+    "engine": {"type": "string"}, "kv_cache_usage": {"type": "number"},
+    "kv_blocks_used": {"type": "integer"}, "kv_blocks_total": {"type": "integer"},
+    "running": {"type": "integer"}, "waiting": {"type": "integer"},
+    "swapped": {"type": "integer"}, "preemptions": {"type": "integer"},
+    "prefix_cache_hit_rate": {"type": ["number", "null"],
+                              "description": "hits / lookups over the last interval"},
+    "prefix_cache_hit_rate_total": {"type": ["number", "null"]},
+    "prompt_tokens_per_s": {"type": "number"}, "generation_tokens_per_s": {"type": "number"}}}
+STATS_SNAPSHOT = {"type": "object", "properties": {
+    "seq": {"type": "integer"}, "time": {"type": "number", "description": "Unix seconds"},
+    "interval_s": {"type": "number"}, "requests_in_flight": {"type": "integer"},
+    "engines": {"type": "array", "items": _ENGINE},
+    "ttft_seconds": _P, "itl_seconds": _P,
+    "latency_window_s": {"type": ["number", "null"],
+                         "description": "the percentiles cover requests of this many seconds"}}}
+
+
+def _stats_events() -> Schema:
+    """An event of the stats stream: a snapshot, or (event `history`) a list of them."""
+    return {"type": "object", "required": ["data"], "properties": {
+        "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {
+            "anyOf": [STATS_SNAPSHOT, {"type": "array", "items": STATS_SNAPSHOT}]}},
+        "event": {"type": "string"}, "id": {"type": "string"}}}
+
+
 def _errors(refs: dict[str, Schema], *statuses: int) -> dict[str, Schema]:
     return {str(s): _json(refs["ErrorEnvelope"], ERRORS[s], RETRY_AFTER if s == 503 else None)
             for s in statuses}
@@ -223,6 +251,14 @@ def openapi_document() -> dict[str, Any]:
         "/metrics": _get("metrics", {"200": {
             "description": "Prometheus text exposition",
             "content": {"text/plain": {"schema": {"type": "string"}}}}}),
+        "/v1/stats/stream": {"get": {
+            "operationId": "streamStats", "security": BEARER,
+            "responses": {"200": {
+                "description": "server-sent events that never end: first `event: history` "
+                               "(the kept snapshots, oldest first), then one snapshot a "
+                               "second (`id:` its seq); the live view at /dashboard reads it",
+                "content": {"text/event-stream": {"schema": _stats_events()}}},
+                **_errors(refs, 401)}}},
         "/openapi.json": _get("openapi", {"200": _json({"type": "object"}, "this document")}),
     }
     return {
