@@ -18,7 +18,7 @@ from ipc.messages import EngineStats
 
 SAMPLE_S = 1.0  # one snapshot a second
 HISTORY = 300  # snapshots kept (and sent to a new reader first): the last five minutes
-WINDOW_S = 10.0  # latency percentiles over the requests of the last this many seconds
+WINDOW_S = 30.0  # latency percentiles over the tokens of the last this many seconds
 QUANTILES = (0.5, 0.9, 0.99)
 # NOTE: a sample this long after the previous one starts a new history (nobody watched in
 # between; rates over the gap would be averages the plots cannot show as such)
