@@ -40,6 +40,7 @@ from gateway.protocol import (
     decode_body,
     decode_request,
 )
+from gateway.resumable_sse import StreamRoutes, resumable_sse, wants_resumable
 from gateway.service import Gateway, GatewaySettings
 from gateway.stats_stream import StatsFeed
 from gateway.streaming import DisconnectAwareResponse, EventStreamResponse
@@ -149,6 +150,7 @@ class Handlers:
             settings = self.gw.settings
             body = await read_body(request, settings.max_body_bytes, settings.body_timeout)
             parsed = decode_request(body, kind)
+            wants_resumable(parsed.resumable, False, parsed.stream)  # 400 without stream
             jobs = await self.gw.prepare_all(parsed)
             for job in jobs:
                 job.trace_headers = trace_headers(request.headers)
@@ -176,7 +178,12 @@ class Handlers:
                     await self._close(gens)
                     return piece_error(item[1]).response()
                 first += [] if item is None else [item]
-            return EventStreamResponse(self._sse(gens, pieces, first), disconnected, headers)
+            events = self._sse(gens, pieces, first)
+            if wants_resumable(parsed.resumable, settings.resumable_streams, True):
+                return resumable_sse(self.gw.streams, events, request.headers,
+                                     lambda: self.gw.cancel(headers["X-Request-Id"]),
+                                     disconnected, headers, settings.sse_keepalive_interval)
+            return EventStreamResponse(events, disconnected, headers)
         return DisconnectAwareResponse(lambda: self._collect(gens, headers), disconnected)
 
     async def _close(self, gens: list[Generation]) -> None:
@@ -285,6 +292,8 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
               gateway: Gateway | None = None) -> Starlette:
     gw = gateway or Gateway(client, settings or GatewaySettings())
     h = Handlers(gw)
+    streams = StreamRoutes(gw.streams, gw.settings.sse_keepalive_interval,
+                           gw.metrics.client_disconnects.inc)
     routes = [
         Route("/v1/models", h.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", h.model, methods=["GET"]),
@@ -293,6 +302,8 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/requests/{request_id}/cancel", h.cancel, methods=["POST"]),
+        Route("/v1/streams/{stream_id}", streams.resume, methods=["GET"]),
+        Route("/v1/streams/{stream_id}", streams.cancel, methods=["DELETE"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/livez", h.livez, methods=["GET"]),
         Route("/version", h.version, methods=["GET"]),
@@ -307,10 +318,10 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
     ]
     middleware = [
         Middleware(CORSMiddleware, allow_origins=list(gw.settings.allowed_origins),
-                   allow_methods=["GET", "POST", "OPTIONS"],
+                   allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                    allow_headers=["Authorization", "Content-Type", "traceparent",
-                                  "tracestate"],
-                   expose_headers=["X-Request-Id", "Retry-After"]),
+                                  "tracestate", "Last-Event-ID"],
+                   expose_headers=["X-Request-Id", "Retry-After", "X-Stream-Id"]),
         Middleware(ApiKeyMiddleware, api_key=gw.settings.api_key),
     ]
     app = Starlette(routes=routes, middleware=middleware,

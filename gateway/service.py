@@ -20,6 +20,7 @@ from gateway.errors import ApiError, unavailable
 from gateway.generation import EngineClientLike, Generation, Job
 from gateway.metrics import Metrics
 from gateway.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, to_sampling
+from gateway.resumable import StreamLimits, StreamRegistry
 from gateway.structured import CallSyntax, structured_for, tool_choice_of
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calls import PARSERS, detect_parser, parser_for, template_messages
@@ -51,6 +52,8 @@ class GatewaySettings:
     # how replies are split into content and tool calls: auto (from the chat template),
     # hermes, llama3_json or mistral (gateway/tool_parsers.py)
     tool_call_parser: str = "auto"
+    resumable_streams: bool = False  # streams resumable unless a request says `resumable: false`
+    stream_limits: StreamLimits = field(default_factory=StreamLimits)  # grace period, bounds
 
     def __post_init__(self) -> None:
         interval = self.sse_keepalive_interval
@@ -77,6 +80,8 @@ class Gateway:
     def __post_init__(self) -> None:
         self.metrics = Metrics(lambda: self.client.stats, lambda: self.model_name)
         self.generations: dict[str, Generation] = {}
+        self.streams = StreamRegistry(self.settings.stream_limits)
+        self.metrics.watch_streams(self.streams)
         self.drain_listeners: list[Callable[[], None]] = []
         self._tokenizers: dict[str, Tokenizer] = {}
         self._syntax: dict[Path, CallSyntax] = {}  # per tokenizer directory
