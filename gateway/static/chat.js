@@ -1,6 +1,8 @@
-// The chat page: conversations kept in localStorage, replies streamed over SSE
-// (POST /v1/chat/completions) through the TypeScript SDK's browser build (./sdk/, compiled from
-// clients/typescript/src by `npm run build:browser`), rendered by ./markdown.js (no innerHTML).
+// The chat page: conversations kept in localStorage, replies streamed over SSE as resumable
+// streams (POST /v1/chat/completions with `resumable`, resumed by GET /v1/streams/{id} after a
+// network drop or a reload: docs/resume.md) through the TypeScript SDK's browser build (./sdk/,
+// compiled from clients/typescript/src by `npm run build:browser`), rendered by ./markdown.js
+// (DOM nodes only, never innerHTML).
 import { APIConnectionError, APIError, APIUserAbortError, PagedServe, iterEvents, streamError } from './sdk/index.js';
 import { renderMarkdown } from './markdown.js';
 import { Store } from './store.js';
@@ -22,6 +24,8 @@ const PLAIN = {
   engine_unavailable: 'The model engine is not running right now. Try again in a few seconds.',
   engine_error: 'The model engine failed while answering. Try again.',
   invalid_api_key: 'This server needs an API key: enter it in the key field at the top.',
+  stream_expired: 'The answer could not be resumed: the server let it go while the connection was down.',
+  stream_not_found: 'The answer could not be resumed: the server no longer knows it.',
 };
 
 function newClient() {
@@ -239,13 +243,17 @@ class Reply {
   }
 }
 
+const RESUME_FOR_MS = 60_000; // NOTE: past the server's grace period (30 s by default) it is gone
+const BACKOFF_MS = [250, 500, 1000, 2000];
+
 async function readEvents(reply, response) {
   for await (const event of iterEvents(response.body)) {
-    if (event.id) reply.conv.pending = { ...reply.conv.pending, lastEventId: event.id };
     if (event.data === '[DONE]') return true;
     const payload = JSON.parse(event.data);
     if (event.event === 'error' || payload.error) throw streamError(payload, reply.requestId);
     reply.apply(payload);
+    // NOTE: the id moves with the text it covers, so a saved conversation resumes right after it
+    if (event.id && reply.conv.pending) reply.conv.pending.lastEventId = event.id;
     $('stats').textContent = reply.stats();
     scheduleUpdate(reply);
     reply.persist();
@@ -253,22 +261,53 @@ async function readEvents(reply, response) {
   return false; // NOTE: the body ended without [DONE]: the connection broke
 }
 
-async function stream(conv) {
-  const msg = { role: 'assistant', content: '' };
-  const history = apiMessages(conv.messages);
-  conv.messages.push(msg);
-  const reply = new Reply(conv, msg);
+function brokenConnection(err) {
+  return err instanceof APIConnectionError || err instanceof TypeError;
+}
+
+/** GET /v1/streams/{id}?after=<seq>: the events after the last one this page applied. */
+async function reopen(reply) {
+  const { streamId, lastEventId } = reply.conv.pending;
+  const seq = lastEventId ? lastEventId.slice(lastEventId.lastIndexOf(':') + 1) : null;
+  const path = `/v1/streams/${encodeURIComponent(streamId)}${seq === null ? '' : `?after=${encodeURIComponent(seq)}`}`;
+  const { response } = await client.request('GET', path, undefined, { signal: reply.controller.signal });
+  return response;
+}
+
+/** Read the stream to [DONE]; a broken connection is resumed (same run, no second prefill). */
+async function follow(reply, response) {
+  let brokeAt = null;
+  for (let attempt = 0; ; attempt++) {
+    try {
+      if (!response) {
+        response = await reopen(reply);
+        brokeAt = null;
+        attempt = 0;
+        setConnection('connected', 'ok');
+      }
+      if (await readEvents(reply, response)) return;
+      throw new APIConnectionError('the stream ended early');
+    } catch (err) {
+      if (reply.stopped || !reply.conv.pending?.streamId || !brokenConnection(err)) throw err;
+      brokeAt ??= Date.now();
+      if (Date.now() - brokeAt > RESUME_FOR_MS) throw err;
+      document.body.dataset.resumes = String(Number(document.body.dataset.resumes ?? 0) + 1);
+      setConnection('reconnecting…', '');
+      response = null;
+      await new Promise((r) => setTimeout(r, BACKOFF_MS[Math.min(attempt, BACKOFF_MS.length - 1)]));
+    }
+  }
+}
+
+/** Stream `reply` to its end: `open` gives the first response (null: resume at once). */
+async function drive(reply, open) {
+  const { conv, msg } = reply;
   running = reply;
   setRunning(true);
   render();
   let status = 'error';
   try {
-    const body = { ...settings(), messages: history, stream: true, stream_options: { include_usage: true } };
-    const { response } = await client.request('POST', '/v1/chat/completions', body, { signal: reply.controller.signal });
-    reply.requestId = response.headers.get('x-request-id');
-    conv.pending = { requestId: reply.requestId, lastEventId: null };
-    const done = await readEvents(reply, response);
-    if (!done && !reply.stopped) throw new APIConnectionError('the stream ended early');
+    await follow(reply, await open());
     status = reply.stopped ? 'stopped' : `finished (${reply.finish ?? 'done'})`;
   } catch (err) {
     if (reply.stopped || err instanceof APIUserAbortError || reply.controller.signal.aborted) status = 'stopped';
@@ -290,6 +329,21 @@ async function stream(conv) {
   }
 }
 
+function stream(conv) {
+  const history = apiMessages(conv.messages);
+  const msg = { role: 'assistant', content: '' };
+  conv.messages.push(msg);
+  const reply = new Reply(conv, msg);
+  return drive(reply, async () => {
+    const body = { ...settings(), messages: history, stream: true, resumable: true, stream_options: { include_usage: true } };
+    const { response } = await client.request('POST', '/v1/chat/completions', body, { signal: reply.controller.signal });
+    reply.requestId = response.headers.get('x-request-id');
+    conv.pending = { requestId: reply.requestId, streamId: response.headers.get('x-stream-id'), lastEventId: null };
+    store.save();
+    return response;
+  });
+}
+
 function setRunning(on) {
   $('send').disabled = on;
   $('stop').disabled = !on;
@@ -300,8 +354,10 @@ async function stop() {
   const reply = running;
   if (!reply) return;
   reply.stopped = true;
-  // NOTE: cancel by id first: a resumable stream outlives its connection on the server
-  if (reply.requestId) await client.cancel(reply.requestId).catch(() => undefined);
+  // NOTE: cancel on the server first: a resumable stream outlives its connection there
+  const streamId = reply.conv.pending?.streamId;
+  if (streamId) await client.request('DELETE', `/v1/streams/${encodeURIComponent(streamId)}`, undefined).catch(() => undefined);
+  else if (reply.requestId) await client.cancel(reply.requestId).catch(() => undefined);
   reply.controller.abort();
 }
 
@@ -358,15 +414,23 @@ function removeConversation(id) {
   render();
 }
 
-/** A message whose stream was cut by a reload: keep its text, say so, offer Regenerate. */
-function settleInterrupted() {
+/** After a reload: resume the stream that was writing a message (the first, if several were:
+ * one runs at a time); a message whose stream cannot be resumed keeps its text and says so. */
+function resumeAfterReload() {
+  let resumed = null;
   for (const conv of store.conversations) {
     if (!conv.pending) continue;
     const msg = conv.messages[conv.messages.length - 1];
+    if (!resumed && conv.pending.streamId && msg?.role === 'assistant') {
+      resumed = new Reply(conv, msg);
+      resumed.requestId = conv.pending.requestId;
+      continue;
+    }
     if (msg?.role === 'assistant') msg.interrupted = 'The answer stopped when the page was reloaded.';
     conv.pending = null;
   }
   store.save();
+  if (resumed) void drive(resumed, async () => null);
 }
 
 // ---- settings and start -----------------------------------------------------------------------
@@ -435,8 +499,10 @@ $('api-key').addEventListener('change', () => {
 addEventListener('offline', () => setConnection('offline', 'bad'));
 addEventListener('online', () => void loadModels());
 
+addEventListener('pagehide', () => store.save());
+
 loadSettings();
-settleInterrupted();
 setRunning(false);
 render();
+resumeAfterReload();
 void loadModels();

@@ -4,7 +4,8 @@ import { APIError, PagedServe, iterEvents } from './sdk/index.js';
 
 const $ = (id) => document.getElementById(id);
 const KEY_STORAGE = 'pagedserve.apiKey'; // NOTE: shared with the chat page
-const SPAN_S = 300;
+const SPAN_S = 300; // the most the plots show; less while the history is shorter
+const MIN_SPAN_S = 60;
 const COLORS = ['#3b5bdb', '#e8590c', '#2b8a3e', '#ae3ec9', '#0c8599', '#c92a2a'];
 const SVG = 'http://www.w3.org/2000/svg';
 const snapshots = [];
@@ -21,7 +22,7 @@ const fixed = (series) => () => series;
 
 // Each chart: the series it draws (a function of the snapshots: engines come and go).
 const CHARTS = [
-  { id: 'kv', title: 'KV-cache utilization', unit: '%', max: 100, series: perEngine('kv_cache_usage', pct) },
+  { id: 'kv', title: 'KV-cache utilization', unit: '%', cap: 100, series: perEngine('kv_cache_usage', pct) },
   { id: 'requests', title: 'Requests', unit: '', series: fixed([
     { key: 'running', label: 'running', value: (s) => sum(s, 'running') },
     { key: 'waiting', label: 'waiting', value: (s) => sum(s, 'waiting') },
@@ -77,19 +78,20 @@ function buildCharts() {
     const ymax = el('span', 'ymax');
     plot.append(svg, ymax, el('span', 'ymin', '0'));
     const axis = el('div', 'axis');
-    axis.append(el('span', null, '5 min ago'), el('span', null, 'now'));
+    const since = el('span', null, '');
+    axis.append(since, el('span', null, 'now'));
     card.append(h, nows, plot, axis);
     $('charts').append(card);
-    Object.assign(chart, { card, nows, svg, ymax });
+    Object.assign(chart, { card, nows, svg, ymax, since });
   }
 }
 
-function pathOf(snaps, value, now, top) {
+function pathOf(snaps, value, now, top, span) {
   let d = '';
   let pen = false;
   for (const s of snaps) {
     const v = value(s);
-    const x = 300 - ((now - s.time) / SPAN_S) * 300;
+    const x = 300 - ((now - s.time) / span) * 300;
     if (v === null || v === undefined || x < 0) { pen = false; continue; }
     const y = 100 - Math.min(v / top, 1) * 100;
     d += `${pen ? 'L' : 'M'}${x.toFixed(1)} ${y.toFixed(2)} `;
@@ -98,18 +100,18 @@ function pathOf(snaps, value, now, top) {
   return d.trim();
 }
 
-function drawChart(chart, snaps, now) {
+function drawChart(chart, snaps, now, span) {
   const series = chart.series(snaps);
   const last = snaps[snaps.length - 1];
   const peak = Math.max(0, ...series.flatMap((s) => snaps.map(s.value).filter((v) => v !== null && v !== undefined)));
-  const top = chart.max ?? niceMax(peak);
+  const top = chart.max ?? Math.min(chart.cap ?? Infinity, niceMax(peak));
   chart.ymax.textContent = `${fmt(top, chart.unit)}${chart.unit === '%' ? '%' : ''}`;
   chart.svg.querySelectorAll('path').forEach((p) => p.remove());
   chart.nows.replaceChildren();
   series.forEach((s, i) => {
     const color = COLORS[i % COLORS.length];
     const path = document.createElementNS(SVG, 'path');
-    path.setAttribute('d', pathOf(snaps, s.value, now, top));
+    path.setAttribute('d', pathOf(snaps, s.value, now, top, span));
     path.setAttribute('stroke', color);
     path.dataset.series = s.key;
     const v = last ? s.value(last) : null;
@@ -118,7 +120,7 @@ function drawChart(chart, snaps, now) {
     const now_ = el('span', 'now');
     now_.dataset.series = s.key;
     now_.style.setProperty('--c', color);
-    now_.append(el('b', null, fmt(v, chart.unit)), el('i', null, s.label));
+    now_.append(el('b', null, `${fmt(v, chart.unit)}${chart.unit === '%' && v !== null && v !== undefined ? '%' : ''}`), el('i', null, s.label));
     chart.nows.append(now_);
   });
 }
@@ -137,7 +139,11 @@ function draw() {
   if (!last) return;
   const now = last.time;
   while (snapshots.length && snapshots[0].time < now - SPAN_S - 2) snapshots.shift();
-  for (const chart of CHARTS) drawChart(chart, snapshots, now);
+  const span = Math.min(SPAN_S, Math.max(MIN_SPAN_S, Math.ceil((now - snapshots[0].time) / 60) * 60));
+  for (const chart of CHARTS) {
+    drawChart(chart, snapshots, now, span);
+    chart.since.textContent = `${span / 60} min ago`;
+  }
   $('engines').tBodies[0].replaceChildren(...last.engines.map(engineRow));
   const n = last.engines.length;
   $('summary').textContent = `${n} engine${n === 1 ? '' : 's'} · ${last.requests_in_flight} requests in flight · updated ${new Date(now * 1000).toLocaleTimeString()}`;

@@ -4,7 +4,7 @@ import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { chromium, type BrowserContext, type Page, type Route } from 'playwright-core';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
-import { metric, waitIdle } from './helpers.js';
+import { cuttableProxy, metric, waitIdle, type CuttableProxy } from './helpers.js';
 
 const baseURL = inject('baseURL');
 const ARTIFACTS = fileURLToPath(new URL('../../../test-artifacts/', import.meta.url));
@@ -204,6 +204,125 @@ describe('chat page: conversations, Markdown, reasoning, tools, regenerate, edit
     await page.screenshot({ path: join(ARTIFACTS, 'chat-phone-conversations.png') });
     await page.click('#scrim', { position: { x: 370, y: 400 } });
     await page.setViewportSize({ width: 1100, height: 760 });
+  });
+});
+
+const LONG = 'Write a long story about a lighthouse keeper.';
+
+/** The same request without the page, not streamed: the text the page must end with. */
+async function reference(seed: number, maxTokens: number): Promise<{ text: string; promptTokens: number }> {
+  const response = await fetch(`${baseURL}/v1/chat/completions`, {
+    method: 'POST', headers: { 'Content-Type': 'application/json' },
+    body: JSON.stringify({ messages: [{ role: 'user', content: LONG }], max_tokens: maxTokens, temperature: 0.7, seed }),
+  });
+  const body = await response.json() as { choices: { message: { content: string }; finish_reason: string }[]; usage: { prompt_tokens: number } };
+  expect(body.choices[0].finish_reason).toBe('length'); // NOTE: long enough to be cut mid-way
+  return { text: body.choices[0].message.content, promptTokens: body.usage.prompt_tokens };
+}
+
+/** Counters that a second generation or a second prefill would move. */
+async function counters(): Promise<{ admitted: number; finished: number; computed: number }> {
+  const text = await (await fetch(`${baseURL}/metrics`)).text();
+  const sum = (re: RegExp) => [...text.matchAll(re)].reduce((t, m) => t + Number(m[1]), 0);
+  return {
+    admitted: sum(/^pagedserve_prompt_tokens_total (\S+)$/gm),
+    finished: sum(/^pagedserve_requests_total\{[^}]*\} (\S+)$/gm),
+    computed: sum(/^vllm:prompt_tokens_total\{[^}]*\} (\S+)$/gm),
+  };
+}
+
+/** The text of the current conversation's last message, as the page stored it. */
+async function storedReply(page: Page): Promise<string> {
+  return page.evaluate((key) => {
+    const conv = JSON.parse(localStorage.getItem(key) ?? '[]')
+      .find((c: { id: string }) => c.id === localStorage.getItem('pagedserve.current'));
+    return conv.messages[conv.messages.length - 1].content;
+  }, STORE);
+}
+
+describe('chat page: resumable answers', () => {
+  const MAX = 1000;
+  let profile: string;
+  let context: BrowserContext;
+  let page: Page;
+  let proxy: CuttableProxy; // NOTE: the page talks to the server through it, so the test can cut the network
+
+  beforeAll(async () => {
+    proxy = await cuttableProxy(baseURL);
+    profile = mkdtempSync(join(tmpdir(), 'pagedserve-chromium-'));
+    context = await chromium.launchPersistentContext(profile, {
+      executablePath: process.env.CHROMIUM ?? '/usr/bin/chromium', headless: true, args: FLAGS,
+      viewport: { width: 1100, height: 760 },
+    });
+    page = context.pages()[0] ?? await context.newPage();
+    page.on('pageerror', (err) => { throw err; });
+    page.on('console', (msg) => { if (msg.type() === 'error') console.log('page:', msg.text()); });
+    await page.goto(`${proxy.url}/`);
+    await page.waitForFunction(() => document.getElementById('connection')?.textContent === 'connected');
+  });
+
+  afterAll(async () => {
+    await context?.close();
+    await proxy?.close();
+    rmSync(profile, { recursive: true, force: true });
+  });
+
+  async function start(seed: number): Promise<void> {
+    if (await page.locator('.msg').count()) await page.click('#new-chat');
+    await page.fill('#max-tokens', String(MAX));
+    await page.fill('#temperature', '0.7');
+    await page.fill('#seed', String(seed));
+    await page.fill('#prompt', LONG);
+    await page.press('#prompt', 'Enter');
+    const reply = page.locator('.msg.assistant .content').last();
+    await expect.poll(async () => (await reply.textContent())?.length ?? 0, { timeout: 30_000 }).toBeGreaterThan(30);
+    expect(await page.getAttribute('body', 'data-state')).toBe('generating');
+  }
+
+  async function finished(): Promise<void> {
+    await expect.poll(() => page.getAttribute('body', 'data-state'), { timeout: 90_000 }).toBe('idle');
+    expect(await page.isVisible('#error')).toBe(false);
+    expect(await page.locator('.msg.assistant .note').count()).toBe(0); // no "cut off" note
+  }
+
+  it('continues after the network drops for two seconds: same text, one prefill', { timeout: 120_000 }, async () => {
+    const seed = 21;
+    const { text, promptTokens } = await reference(seed, MAX);
+    const before = await counters();
+    await start(seed);
+    const cutAt = (await storedReply(page)).length;
+    proxy.cut(2000); // every connection dropped, new ones refused for two seconds
+    // the page's own stream broke and it retries (the test does not reload it)
+    await expect.poll(() => page.getAttribute('body', 'data-resumes'), { timeout: 10_000 }).not.toBeNull();
+    expect(await page.textContent('#connection')).toBe('reconnecting…');
+    await finished();
+    expect(cutAt).toBeLessThan(text.length); // it was cut mid-answer
+    expect(await storedReply(page)).toBe(text);
+    const after = await counters();
+    expect(after.admitted - before.admitted).toBe(promptTokens); // one request admitted
+    expect(after.finished - before.finished).toBe(1);
+    expect(after.computed - before.computed).toBeLessThanOrEqual(promptTokens); // one prefill
+    expect(await page.textContent('#connection')).toBe('connected');
+    expect(await waitIdle(baseURL)).toBe(0);
+  });
+
+  it('continues after a reload mid-answer', { timeout: 120_000 }, async () => {
+    const seed = 22;
+    const { text, promptTokens } = await reference(seed, MAX);
+    const before = await counters();
+    await start(seed);
+    const cutAt = (await storedReply(page)).length;
+    await page.reload();
+    await expect.poll(() => page.getAttribute('body', 'data-state'), { timeout: 10_000 }).toBe('generating');
+    await page.screenshot({ path: join(ARTIFACTS, 'chat-resumed-after-reload.png') });
+    await finished();
+    expect(cutAt).toBeLessThan(text.length);
+    expect(await storedReply(page)).toBe(text);
+    const after = await counters();
+    expect(after.admitted - before.admitted).toBe(promptTokens);
+    expect(after.finished - before.finished).toBe(1);
+    expect(after.computed - before.computed).toBeLessThanOrEqual(promptTokens);
+    expect(await waitIdle(baseURL)).toBe(0);
   });
 });
 
