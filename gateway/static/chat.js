@@ -231,7 +231,8 @@ class Reply {
     const ttft = this.first === null ? '–' : `${Math.round(this.first - this.start)} ms`;
     const seconds = this.first === null ? 0 : (now - this.first) / 1000;
     const rate = seconds > 0 && this.tokens > 1 ? ((this.tokens - 1) / seconds).toFixed(1) : '–';
-    return `TTFT ${ttft} · ${rate} tokens/s · ${this.tokens} tokens${status ? ` · ${status}` : ''}`;
+    const count = `${this.tokens} token${this.tokens === 1 ? '' : 's'}`;
+    return `TTFT ${ttft} · ${rate} tokens/s · ${count}${status ? ` · ${status}` : ''}`;
   }
 
   /** Save now and then while streaming, so a reload finds the text so far. */

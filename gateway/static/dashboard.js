@@ -94,7 +94,8 @@ function pathOf(snaps, value, now, top, span) {
     const x = 300 - ((now - s.time) / span) * 300;
     if (v === null || v === undefined || x < 0) { pen = false; continue; }
     const y = 100 - Math.min(v / top, 1) * 100;
-    d += `${pen ? 'L' : 'M'}${x.toFixed(1)} ${y.toFixed(2)} `;
+    // NOTE: `l0 0` after a move draws a dot (round caps), so a lone sample still shows
+    d += pen ? `L${x.toFixed(1)} ${y.toFixed(2)} ` : `M${x.toFixed(1)} ${y.toFixed(2)} l0 0 `;
     pen = true;
   }
   return d.trim();
@@ -105,7 +106,7 @@ function drawChart(chart, snaps, now, span) {
   const last = snaps[snaps.length - 1];
   const peak = Math.max(0, ...series.flatMap((s) => snaps.map(s.value).filter((v) => v !== null && v !== undefined)));
   const top = chart.max ?? Math.min(chart.cap ?? Infinity, niceMax(peak));
-  chart.ymax.textContent = `${fmt(top, chart.unit)}${chart.unit === '%' ? '%' : ''}`;
+  chart.ymax.textContent = `${+top.toPrecision(3)}${chart.unit === '%' ? '%' : ''}`;
   chart.svg.querySelectorAll('path').forEach((p) => p.remove());
   chart.nows.replaceChildren();
   series.forEach((s, i) => {

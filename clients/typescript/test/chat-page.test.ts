@@ -198,6 +198,7 @@ describe('chat page: conversations, Markdown, reasoning, tools, regenerate, edit
     expect(await reply.locator('ol > li').count()).toBe(2);
     await page.screenshot({ path: join(ARTIFACTS, 'chat-markdown.png') });
     await page.setViewportSize({ width: 390, height: 780 });
+    await expect.poll(() => page.locator('#sidebar').evaluate((s) => s.getBoundingClientRect().right)).toBeLessThanOrEqual(0);
     await page.screenshot({ path: join(ARTIFACTS, 'chat-phone.png') });
     await page.click('#menu');
     await expect.poll(() => page.locator('#sidebar').evaluate((s) => s.getBoundingClientRect().left)).toBe(0);
@@ -347,21 +348,23 @@ describe('/dashboard under load', () => {
     rmSync(profile, { recursive: true, force: true });
   });
 
-  it('plots live engine numbers while requests run', async () => {
+  it('plots live engine numbers while requests run', { timeout: 120_000 }, async () => {
     await page.goto(`${baseURL}/dashboard`);
     await expect.poll(() => page.textContent('#connection'), { timeout: 15_000 }).toBe('live');
     const last = (chart: string, series: string) => page.getAttribute(`[data-chart=${chart}] path[data-series="${series}"]`, 'data-last');
     await expect.poll(() => last('kv', 'engine 0'), { timeout: 15_000 }).toBe('0');
-    const load = Array.from({ length: 4 }, (_, i) => fetch(`${baseURL}/v1/chat/completions`, {
+    // NOTE: staggered, so the plots have some shape by the time of the screenshot
+    const load = Array.from({ length: 6 }, (_, i) => new Promise((r) => setTimeout(r, i * 1500)).then(() => fetch(`${baseURL}/v1/chat/completions`, {
       method: 'POST', headers: { 'Content-Type': 'application/json' },
-      body: JSON.stringify({ messages: [{ role: 'user', content: `Story number ${i}` }], max_tokens: 400, ignore_eos: true }),
-    }).then((r) => r.json()));
+      body: JSON.stringify({ messages: [{ role: 'user', content: `Story number ${i}` }], max_tokens: 300 + 100 * i, ignore_eos: true }),
+    })).then((r) => r.json()));
     try {
       const moved = async () => Number(await last('tokens', 'out') || 0) > 0 && Number(await last('kv', 'engine 0') || 0) > 0
         && Number(await last('requests', 'running') || 0) > 0 && Number(await last('ttft', 'p50') || 0) > 0;
       await expect.poll(moved, { timeout: 60_000, interval: 250 }).toBe(true);
-      const path = await page.getAttribute('[data-chart=tokens] path[data-series="out"]', 'd');
-      expect(path?.split('L').length).toBeGreaterThan(1);
+      // several seconds of samples under load, then the picture
+      await expect.poll(async () => (await page.getAttribute('[data-chart=tokens] path[data-series="out"]', 'd'))?.split('L').length ?? 0,
+        { timeout: 30_000, interval: 500 }).toBeGreaterThan(8);
       expect(Number(await page.textContent('#engines tbody tr td:nth-child(3)'))).toBeGreaterThan(0);
       await page.screenshot({ path: join(ARTIFACTS, 'dashboard-load.png'), fullPage: true });
       await page.setViewportSize({ width: 390, height: 844 });
