@@ -3,8 +3,9 @@
 // network drop or a reload: docs/resume.md) through the TypeScript SDK's browser build (./sdk/,
 // compiled from clients/typescript/src by `npm run build:browser`), rendered by ./markdown.js
 // (DOM nodes only, never innerHTML).
-import { APIConnectionError, APIError, APIUserAbortError, PagedServe, iterEvents, streamError } from './sdk/index.js';
+import { APIConnectionError, APIError, APIUserAbortError, PagedServe } from './sdk/index.js';
 import { renderMarkdown } from './markdown.js';
+import { Reply, follow } from './reply.js';
 import { Store } from './store.js';
 
 const $ = (id) => document.getElementById(id);
@@ -188,117 +189,21 @@ function apiMessages(messages) {
   });
 }
 
-class Reply {
-  constructor(conv, msg) {
-    this.conv = conv;
-    this.msg = msg;
-    this.controller = new AbortController();
-    this.requestId = null;
-    this.start = performance.now();
-    this.first = null;
-    this.tokens = 0;
-    this.finish = null;
-    this.stopped = false;
-    this.frame = 0;
-    this.savedAt = 0;
-  }
-
-  apply(chunk) {
-    if (chunk.usage) this.tokens = chunk.usage.completion_tokens ?? this.tokens;
-    for (const choice of chunk.choices ?? []) {
-      const d = choice.delta ?? {};
-      const reasoning = d.reasoning_content ?? d.reasoning;
-      if (d.content || reasoning || d.tool_calls) {
-        this.first ??= performance.now();
-        if (!chunk.usage) this.tokens += 1; // NOTE: an estimate until the usage chunk
-      }
-      if (d.content) this.msg.content += d.content;
-      if (reasoning) this.msg.reasoning = (this.msg.reasoning ?? '') + reasoning;
-      for (const t of d.tool_calls ?? []) {
-        const calls = (this.msg.tool_calls ??= []);
-        calls[t.index] ??= { id: '', name: '', arguments: '' };
-        const call = calls[t.index];
-        if (t.id) call.id = t.id;
-        if (t.function?.name) call.name += t.function.name;
-        if (t.function?.arguments) call.arguments += t.function.arguments;
-      }
-      if (choice.finish_reason) this.finish = choice.finish_reason;
-    }
-  }
-
-  stats(status) {
-    const now = performance.now();
-    const ttft = this.first === null ? '–' : `${Math.round(this.first - this.start)} ms`;
-    const seconds = this.first === null ? 0 : (now - this.first) / 1000;
-    const rate = seconds > 0 && this.tokens > 1 ? ((this.tokens - 1) / seconds).toFixed(1) : '–';
-    const count = `${this.tokens} token${this.tokens === 1 ? '' : 's'}`;
-    return `TTFT ${ttft} · ${rate} tokens/s · ${count}${status ? ` · ${status}` : ''}`;
-  }
-
-  /** Save now and then while streaming, so a reload finds the text so far. */
-  persist(force = false) {
-    const now = performance.now();
-    if (!force && now - this.savedAt < 400) return;
-    this.savedAt = now;
-    store.save();
-  }
-}
-
-const RESUME_FOR_MS = 60_000; // NOTE: past the server's grace period (30 s by default) it is gone
-const BACKOFF_MS = [250, 500, 1000, 2000];
-
-async function readEvents(reply, response) {
-  for await (const event of iterEvents(response.body)) {
-    if (event.data === '[DONE]') return true;
-    const payload = JSON.parse(event.data);
-    if (event.event === 'error' || payload.error) throw streamError(payload, reply.requestId);
-    reply.apply(payload);
-    // NOTE: the id moves with the text it covers, so a saved conversation resumes right after it
-    if (event.id && reply.conv.pending) reply.conv.pending.lastEventId = event.id;
+const replyHooks = {
+  save: () => store.save(),
+  onEvent(reply) {
     $('stats').textContent = reply.stats();
     scheduleUpdate(reply);
-    reply.persist();
-  }
-  return false; // NOTE: the body ended without [DONE]: the connection broke
-}
-
-function brokenConnection(err) {
-  return err instanceof APIConnectionError || err instanceof TypeError;
-}
-
-/** GET /v1/streams/{id}?after=<seq>: the events after the last one this page applied. */
-async function reopen(reply) {
-  const { streamId, lastEventId } = reply.conv.pending;
-  const seq = lastEventId ? lastEventId.slice(lastEventId.lastIndexOf(':') + 1) : null;
-  const path = `/v1/streams/${encodeURIComponent(streamId)}${seq === null ? '' : `?after=${encodeURIComponent(seq)}`}`;
-  const { response } = await client.request('GET', path, undefined, { signal: reply.controller.signal });
-  return response;
-}
-
-/** Read the stream to [DONE]; a broken connection is resumed (same run, no second prefill). */
-async function follow(reply, response) {
-  let brokeAt = null;
-  for (let attempt = 0; ; attempt++) {
-    try {
-      if (!response) {
-        response = await reopen(reply);
-        brokeAt = null;
-        attempt = 0;
-        setConnection('connected', 'ok');
-      }
-      if (await readEvents(reply, response)) return;
-      throw new APIConnectionError('the stream ended early');
-    } catch (err) {
-      if (reply.stopped || !reply.conv.pending?.streamId || !brokenConnection(err)) throw err;
-      brokeAt ??= Date.now();
-      if (Date.now() - brokeAt > RESUME_FOR_MS) throw err;
+  },
+  onConnection(state) {
+    if (state === 'reconnecting') {
       document.body.dataset.resumes = String(Number(document.body.dataset.resumes ?? 0) + 1);
       setConnection('reconnecting…', '');
-      response = null;
-      await new Promise((r) => setTimeout(r, BACKOFF_MS[Math.min(attempt, BACKOFF_MS.length - 1)]));
+    } else {
+      setConnection('connected', 'ok');
     }
-  }
-}
+  },
+};
 
 /** Stream `reply` to its end: `open` gives the first response (null: resume at once). */
 async function drive(reply, open) {
@@ -308,7 +213,7 @@ async function drive(reply, open) {
   render();
   let status = 'error';
   try {
-    await follow(reply, await open());
+    await follow(reply, await open(), client);
     status = reply.stopped ? 'stopped' : `finished (${reply.finish ?? 'done'})`;
   } catch (err) {
     if (reply.stopped || err instanceof APIUserAbortError || reply.controller.signal.aborted) status = 'stopped';
@@ -334,7 +239,7 @@ function stream(conv) {
   const history = apiMessages(conv.messages);
   const msg = { role: 'assistant', content: '' };
   conv.messages.push(msg);
-  const reply = new Reply(conv, msg);
+  const reply = new Reply(conv, msg, replyHooks);
   return drive(reply, async () => {
     const body = { ...settings(), messages: history, stream: true, resumable: true, stream_options: { include_usage: true } };
     const { response } = await client.request('POST', '/v1/chat/completions', body, { signal: reply.controller.signal });
@@ -423,7 +328,7 @@ function resumeAfterReload() {
     if (!conv.pending) continue;
     const msg = conv.messages[conv.messages.length - 1];
     if (!resumed && conv.pending.streamId && msg?.role === 'assistant') {
-      resumed = new Reply(conv, msg);
+      resumed = new Reply(conv, msg, replyHooks);
       resumed.requestId = conv.pending.requestId;
       continue;
     }
