@@ -116,3 +116,19 @@ def test_expired_stream_raises_a_typed_error(url: str, proxy: CuttingProxy) -> N
                 pass
         stream.close()
     assert info.value.status_code == 410 and info.value.code == "stream_expired"
+
+
+async def test_websocket_client_resumes_after_a_network_cut(url: str,
+                                                            proxy: CuttingProxy) -> None:
+    reference = _reference(url, 40)
+    async with ps.AsyncClient(proxy.url) as client, client.websocket() as ws:
+        gen = await ws.generate(**{k: v for k, v in _params(40, resumable=True).items()
+                                   if k != "stream"})
+        texts = []
+        async for chunk in gen:
+            texts.append(chunk.text)
+            if len(texts) == 3:
+                proxy.cut(down_for=2.0)
+        assert gen.stream_id and ws.reconnects == 1 and proxy.cuts == 1
+        assert gen.done is not None and gen.done.status == ps.GenerationStatus.COMPLETED
+    assert "".join(texts) == reference
