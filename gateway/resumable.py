@@ -174,7 +174,7 @@ class StreamRegistry:
     def __init__(self, limits: StreamLimits) -> None:
         self.limits = limits
         self.streams: dict[str, ResumableStream] = {}
-        self._tombstones: OrderedDict[str, bytes] = OrderedDict()  # expired id -> owner
+        self._tombstones: OrderedDict[str, tuple[str, bytes]] = OrderedDict()  # -> kind, owner
         self.buffered_bytes = 0
         self.resumes = 0  # readers that attached after the first
         self.expired = 0  # streams removed after their grace period
@@ -214,7 +214,8 @@ class StreamRegistry:
                                                                                owner):
             return stream
         gone = self._tombstones.get(stream_id)
-        if stream is None and gone is not None and hmac.compare_digest(gone, owner):
+        if stream is None and gone is not None and gone[0] == kind and \
+                hmac.compare_digest(gone[1], owner):
             raise expired_error(stream_id, "its grace period passed with no reader")
         raise not_found_error(stream_id)
 
@@ -242,7 +243,7 @@ class StreamRegistry:
         """The grace period passed with no reader: forget the stream, abort its generation."""
         stream.expired = True
         self.streams.pop(stream.id, None)
-        self._tombstones[stream.id] = stream.owner
+        self._tombstones[stream.id] = (stream.kind, stream.owner)
         while len(self._tombstones) > MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
         while stream.oldest_time() is not None:
