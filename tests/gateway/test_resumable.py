@@ -100,7 +100,7 @@ async def test_a_finished_stream_is_forgotten_after_the_grace_period() -> None:
 
 
 async def test_per_stream_and_global_bounds() -> None:
-    limits = StreamLimits(grace_period=30, max_stream_bytes=10, max_total_bytes=25)
+    limits = StreamLimits(grace_period=30, max_stream_bytes=12, max_total_bytes=25)
     registry = StreamRegistry(limits)
     producers = [Producer() for _ in range(3)]
     streams = [registry.open("sse", ALICE, p, p.cancel) for p in producers]
@@ -110,7 +110,7 @@ async def test_per_stream_and_global_bounds() -> None:
             producer.queue.put_nowait(b"xxxx")
             await _until(lambda s=stream, n=i + 1: s.next_seq == n)
             peak = max(peak, registry.buffered_bytes)
-            assert stream.bytes <= 10
+            assert stream.bytes <= 12
     assert peak <= 25 and registry.buffered_bytes == sum(s.bytes for s in streams)
     assert registry.events_dropped == 24 - registry.buffered_bytes // 4
     with pytest.raises(ApiError) as gone:
