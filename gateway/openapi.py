@@ -54,10 +54,17 @@ class Cancelled(msgspec.Struct):
     cancelled: bool
 
 
+class StreamCancelled(msgspec.Struct):
+    id: str
+    object: Literal["stream.cancelled"]
+    cancelled: bool  # False: it had finished already
+
+
 REQUESTS = (ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest,
             TokenizeChatRequest, DetokenizeRequest)
 RESPONSES = (ChatCompletion, ChatCompletionChunk, Completion, ModelList, ErrorEnvelope, Health,
-             Liveness, VersionInfo, Cancelled, ModelCard, TokenizeResponse, DetokenizeResponse)
+             Liveness, VersionInfo, Cancelled, StreamCancelled, ModelCard, TokenizeResponse,
+             DetokenizeResponse)
 
 
 def _structs(tp: Any, found: dict[str, type]) -> dict[str, type]:
@@ -113,13 +120,15 @@ def _events(chunk: Schema) -> Schema:
     return {"type": "object", "required": ["data"], "properties": {
         "data": {"type": "string", "if": {"const": "[DONE]"}, "else": payload},
         "event": {"type": "string"},
+        "id": {"type": "string", "description": "`<stream id>:<seq>` on a resumable stream"},
     }}
 
 
 ERRORS = {
     400: "invalid request (validation, context length, chat template)",
     401: "missing or wrong API key (only when the server has one)",
-    404: "unknown model, route or running request",
+    404: "unknown model, route, running request or stream",
+    410: "the stream can no longer be resumed (`stream_expired`)",
     413: "request body too large",
     500: "the engine failed this request (or the gateway has a bug)",
     503: "engine not ready, overloaded or draining",
@@ -203,6 +212,34 @@ def _post(operation_id: str, body: Schema, ok: Schema, refs: dict[str, Schema],
     }}
 
 
+def _streams(refs: dict[str, Schema]) -> Schema:
+    """Resume (GET) and cancel (DELETE) a resumable stream (docs/resume.md)."""
+    path = {"name": "stream_id", "in": "path", "required": True,
+            "schema": {"type": "string", "minLength": 1}}
+    resume_from = [
+        {"name": "Last-Event-ID", "in": "header", "required": False,
+         "description": "`<stream id>:<seq>`: the events after that seq follow",
+         "schema": {"type": "string"}},
+        {"name": "after", "in": "query", "required": False,
+         "description": "the last seq received (without Last-Event-ID); default -1",
+         "schema": {"type": "integer"}},
+    ]
+    events = {"anyOf": [refs["ChatCompletionChunk"], refs["Completion"]]}
+    return {
+        "get": {"operationId": "resumeStream", "security": BEARER,
+                "parameters": [path, *resume_from],
+                "responses": {"200": {
+                    "description": "the stream's events after that seq, then its live tail",
+                    "headers": REQUEST_ID,
+                    "content": {"text/event-stream": {"schema": _events(events)}}},
+                    **_errors(refs, 400, 401, 404, 410)}},
+        "delete": {"operationId": "cancelStream", "security": BEARER, "parameters": [path],
+                   "responses": {"200": _json(refs["StreamCancelled"], "its generation was "
+                                              "aborted (or had finished)"),
+                                 **_errors(refs, 401, 404)}},
+    }
+
+
 def _get(operation_id: str, responses: dict[str, Schema]) -> Schema:
     return {"get": {"operationId": operation_id, "responses": responses}}
 
@@ -243,6 +280,7 @@ def openapi_document() -> dict[str, Any]:
             "operationId": "cancelRequest", "security": BEARER, "parameters": [cancel_path],
             "responses": {"200": _json(refs["Cancelled"], "the engine was told to abort it"),
                           **_errors(refs, 401, 404)}}},
+        "/v1/streams/{stream_id}": _streams(refs),
         "/health": _get("health", {
             "200": _json(refs["Health"], "ready"),
             "503": _json(refs["Health"], "engine not ready, or draining", RETRY_AFTER)}),

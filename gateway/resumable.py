@@ -1,8 +1,8 @@
 """Resumable streams: a generation's events in a bounded buffer that outlives its connection.
 
 A stream's producer runs on its own task; each reader (a connection) replays the buffer after a
-seq, then follows the live tail. No reader for the grace period: the producer is cancelled (its
-generation aborted) and the stream expires (docs/resume.md).
+seq, then follows the live tail. No reader for the grace period: its generation is aborted and
+the stream expires (docs/resume.md).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class ResumableStream:
     """One generation's events, numbered from 0. The registry owns it; readers follow it."""
 
     def __init__(self, registry: StreamRegistry, stream_id: str, kind: str, owner: bytes,
-                 cancel: Callable[[], None] | None) -> None:
+                 cancel: Callable[[], None]) -> None:
         self.id = stream_id
         self.kind = kind  # "sse" or "ws": a stream resumes only on its own transport
         self.owner = owner
@@ -79,6 +79,8 @@ class ResumableStream:
         return self._events[0][0] if self._events else self.next_seq
 
     def append(self, event: Any, size: int) -> None:
+        if self.expired:
+            return  # NOTE: the aborted generation's last events: nobody can read them
         self._events.append((self.next_seq, time.monotonic(), size, event))
         self.next_seq += 1
         self.bytes += size
@@ -86,13 +88,11 @@ class ResumableStream:
         self._wake()
 
     def cancel(self) -> None:
-        """An explicit cancel: abort the generation now (its readers get its last events)."""
-        if self._cancel is not None:
-            self._cancel()
-        elif self.task is not None:
-            self.task.cancel()
+        """Abort the generation now; it still ends through its producer (readers get its
+        last events), so the producer task itself is never cancelled."""
+        self._cancel()
 
-    def check_after(self, after: int) -> None:
+    def check_after(self, after: int, param: str = "after") -> None:
         """Raise `stream_expired` when events after `after` were dropped (bounds, age)."""
         self._registry.trim_age(self)
         if after + 1 < self.first_seq:
@@ -100,7 +100,7 @@ class ResumableStream:
                                          "(size or age bound)")
         if not -1 <= after < self.next_seq:
             raise ApiError(400, f"seq {after} was never sent (the stream is at "
-                                f"{self.next_seq - 1})", "invalid_value", "after")
+                                f"{self.next_seq - 1})", "invalid_value", param)
 
     async def follow(self, after: int, tick: float | None = None
                      ) -> AsyncIterator[tuple[int, Any] | None]:
@@ -174,7 +174,7 @@ class StreamRegistry:
     def __init__(self, limits: StreamLimits) -> None:
         self.limits = limits
         self.streams: dict[str, ResumableStream] = {}
-        self._tombstones: OrderedDict[str, bytes] = OrderedDict()  # expired id -> owner
+        self._tombstones: OrderedDict[str, tuple[str, bytes]] = OrderedDict()  # -> kind, owner
         self.buffered_bytes = 0
         self.resumes = 0  # readers that attached after the first
         self.expired = 0  # streams removed after their grace period
@@ -190,9 +190,10 @@ class StreamRegistry:
         return sum(1 for s in self.streams.values() if s.readers == 0)
 
     def open(self, kind: str, owner: bytes, produce: Callable[[ResumableStream], Awaitable[None]],
-             cancel: Callable[[], None] | None = None) -> ResumableStream:
+             cancel: Callable[[], None]) -> ResumableStream:
         """Start `produce(stream)` (which appends the events) on its own task; the grace
-        timer runs until the first reader attaches."""
+        timer runs until the first reader attaches. `cancel()` must make the producer end
+        (abort its engine request), as an explicit cancel and the expiry call it."""
         stream = ResumableStream(self, secrets.token_urlsafe(18), kind, owner, cancel)
         self.streams[stream.id] = stream
         stream.task = asyncio.create_task(self._produce(stream, produce))
@@ -213,7 +214,8 @@ class StreamRegistry:
                                                                                owner):
             return stream
         gone = self._tombstones.get(stream_id)
-        if stream is None and gone is not None and hmac.compare_digest(gone, owner):
+        if stream is None and gone is not None and gone[0] == kind and \
+                hmac.compare_digest(gone[1], owner):
             raise expired_error(stream_id, "its grace period passed with no reader")
         raise not_found_error(stream_id)
 
@@ -241,15 +243,15 @@ class StreamRegistry:
         """The grace period passed with no reader: forget the stream, abort its generation."""
         stream.expired = True
         self.streams.pop(stream.id, None)
-        self._tombstones[stream.id] = stream.owner
+        self._tombstones[stream.id] = (stream.kind, stream.owner)
         while len(self._tombstones) > MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
         while stream.oldest_time() is not None:
             self.buffered_bytes -= stream.drop_oldest()
         self.expired += 1
-        if not stream.done and stream.task is not None:
+        if not stream.done:
             self.aborted += 1
-            stream.task.cancel()  # NOTE: the producer's own cleanup aborts the engine request
+            stream.cancel()
 
 
 def parse_last_event_id(value: str, stream_id: str) -> int:

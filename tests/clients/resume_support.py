@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -98,3 +100,63 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.1)
+
+
+class CuttingProxy:
+    """A TCP proxy to 127.0.0.1:`port` whose `cut(down_for)` drops every connection through it
+    and refuses new ones for `down_for` seconds: the network going away under a client."""
+
+    def __init__(self, port: int) -> None:
+        self._target = port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._live: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self.cuts = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self, down_for: float = 0.0) -> None:
+        with self._lock:
+            self._down_until = time.monotonic() + down_for
+            live, self._live = self._live, []
+            self.cuts += 1
+        for sock in live:
+            _close(sock)
+
+    def close(self) -> None:
+        self.cut()
+        _close(self._listener)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if time.monotonic() < self._down_until:
+                _close(client)
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self._target))
+            with self._lock:
+                self._live += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass  # NOTE: the other side was cut
+    _close(src)
+    _close(dst)
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # NOTE: already shut
+    sock.close()

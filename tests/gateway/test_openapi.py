@@ -34,6 +34,7 @@ SETTINGS = settings(max_examples=30, derandomize=True, deadline=None, database=N
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                            HealthCheck.data_too_large])
 RUNNING = "fuzz-running"  # a request the cancel operation's explicit case cancels
+STREAM: list[str] = []  # a finished resumable stream the stream operations' cases resume
 
 
 def _schema() -> schemathesis.BaseSchema:
@@ -70,6 +71,8 @@ def _explicit_cases(operation: schemathesis.APIOperation) -> list[schemathesis.C
     """The documented request examples, and a cancel of the request that is running."""
     if "{model_id}" in operation.path:
         return [operation.Case(path_parameters={"model_id": "test-model"})]
+    if "{stream_id}" in operation.path:
+        return [operation.Case(path_parameters={"stream_id": STREAM[-1]})]
     if operation.path_parameters:
         return [operation.Case(path_parameters={"request_id": RUNNING})]
     body = openapi_document()["paths"][operation.path][operation.method.lower()].get(
@@ -120,6 +123,11 @@ async def test_fuzz_against_the_document(fake_engine: FakeEngine, label: str) ->
                 http.post("/v1/completions", json={"prompt": "x", "request_id": RUNNING}))
             while RUNNING not in app.state.gateway.generations:
                 await asyncio.sleep(0.01)
+        if "{stream_id}" in label:  # a finished resumable stream, to resume and cancel
+            body = {"prompt": "x", "max_tokens": 3, "stream": True, "resumable": True}
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                STREAM.append(r.headers["x-stream-id"])
+                await r.aread()
         seen = await asyncio.to_thread(_fuzz, url, label)
         if running is not None:
             assert (await running).json()["choices"][0]["finish_reason"] == "abort"
