@@ -4,7 +4,7 @@ import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { chromium, type BrowserContext, type Page, type Route } from 'playwright-core';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
-import { cuttableProxy, metric, waitIdle, type CuttableProxy } from './helpers.js';
+import { CuttingProxy, metric, waitIdle } from './helpers.js';
 
 const baseURL = inject('baseURL');
 const ARTIFACTS = fileURLToPath(new URL('../../../test-artifacts/', import.meta.url));
@@ -246,10 +246,10 @@ describe('chat page: resumable answers', () => {
   let profile: string;
   let context: BrowserContext;
   let page: Page;
-  let proxy: CuttableProxy; // NOTE: the page talks to the server through it, so the test can cut the network
+  let proxy: CuttingProxy; // NOTE: the page talks to the server through it, so the test can cut the network
 
   beforeAll(async () => {
-    proxy = await cuttableProxy(baseURL);
+    proxy = await CuttingProxy.start(Number(new URL(baseURL).port));
     profile = mkdtempSync(join(tmpdir(), 'pagedserve-chromium-'));
     context = await chromium.launchPersistentContext(profile, {
       executablePath: process.env.CHROMIUM ?? '/usr/bin/chromium', headless: true, args: FLAGS,

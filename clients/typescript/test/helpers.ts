@@ -1,4 +1,6 @@
-/** Shared test helpers: the server's metrics. */
+/** Shared test helpers: the server's metrics, and a proxy that cuts the network. */
+
+import { createConnection, createServer, type Server, type Socket } from 'node:net';
 
 export async function metric(baseURL: string, name: string): Promise<number> {
   const text = await (await fetch(`${baseURL}/metrics`)).text();
@@ -18,40 +20,42 @@ export async function waitIdle(baseURL: string, timeoutMs = 5000): Promise<numbe
   return running;
 }
 
-/** A TCP proxy in front of the server whose `cut(ms)` drops every open connection and refuses
- * new ones for `ms` milliseconds: a network outage as the browser sees it. */
-export interface CuttableProxy { url: string; cut(ms: number): void; cuts: number; close(): Promise<void> }
 
-export async function cuttableProxy(target: string): Promise<CuttableProxy> {
-  const { createServer, connect } = await import('node:net');
-  const { hostname, port } = new URL(target);
-  const sockets = new Set<import('node:net').Socket>();
-  let blockedUntil = 0;
-  const server = createServer((client) => {
-    if (Date.now() < blockedUntil) { client.destroy(); return; }
-    const upstream = connect(Number(port), hostname);
-    for (const s of [client, upstream]) {
-      sockets.add(s);
-      s.on('close', () => sockets.delete(s));
-      s.on('error', () => undefined);
-    }
-    client.pipe(upstream).pipe(client);
-    client.on('close', () => upstream.destroy());
-    upstream.on('close', () => client.destroy());
-  });
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
-  const proxy: CuttableProxy = {
-    url: `http://127.0.0.1:${(server.address() as { port: number }).port}`,
-    cuts: 0,
-    cut(ms: number) {
-      blockedUntil = Date.now() + ms;
-      proxy.cuts += 1;
-      for (const s of sockets) s.destroy();
-    },
-    close: () => new Promise<void>((resolve) => {
-      for (const s of sockets) s.destroy();
-      server.close(() => resolve());
-    }),
-  };
-  return proxy;
+/** A TCP proxy to the server whose `cut(downForMs)` drops every connection through it and
+ * refuses new ones for that long: the network going away under a client. */
+export class CuttingProxy {
+  cuts = 0;
+  private live = new Set<Socket>();
+  private downUntil = 0;
+  private constructor(private readonly server: Server, readonly url: string) {}
+
+  static async start(target: number): Promise<CuttingProxy> {
+    let proxy: CuttingProxy | null = null;
+    const server = createServer((client) => {
+      if (Date.now() < proxy!.downUntil) return void client.destroy();
+      const upstream = createConnection(target, '127.0.0.1');
+      for (const sock of [client, upstream]) {
+        proxy!.live.add(sock);
+        sock.on('error', () => undefined);
+        sock.on('close', () => { proxy!.live.delete(sock); client.destroy(); upstream.destroy(); });
+      }
+      client.pipe(upstream);
+      upstream.pipe(client);
+    });
+    await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+    const { port } = server.address() as { port: number };
+    proxy = new CuttingProxy(server, `http://127.0.0.1:${port}`);
+    return proxy;
+  }
+
+  cut(downForMs = 0): void {
+    this.cuts++;
+    this.downUntil = Date.now() + downForMs;
+    for (const sock of this.live) sock.destroy();
+  }
+
+  close(): Promise<void> {
+    this.cut();
+    return new Promise((r) => this.server.close(() => r()));
+  }
 }

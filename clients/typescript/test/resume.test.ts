@@ -1,52 +1,12 @@
-import { createConnection, createServer, type Server, type Socket } from 'node:net';
 import { afterEach, beforeEach, describe, expect, inject, it } from 'vitest';
 import { WebSocket } from 'ws';
 import * as ps from '../src/index.js';
-import { waitIdle } from './helpers.js';
+import { CuttingProxy, waitIdle } from './helpers.js';
 
 const baseURL = inject('baseURL');
 const MESSAGES = [{ role: 'user' as const, content: 'Tell a long story' }];
 const ENGINE = 'model_name="tiny-llama"';
 const Ctor = WebSocket as unknown as ps.WebSocketConstructor;
-
-/** A TCP proxy to the server whose `cut(downForMs)` drops every connection through it and
- * refuses new ones for that long: the network going away under a client. */
-class CuttingProxy {
-  cuts = 0;
-  private live = new Set<Socket>();
-  private downUntil = 0;
-  private constructor(private readonly server: Server, readonly url: string) {}
-
-  static async start(target: number): Promise<CuttingProxy> {
-    let proxy: CuttingProxy | null = null;
-    const server = createServer((client) => {
-      if (Date.now() < proxy!.downUntil) return void client.destroy();
-      const upstream = createConnection(target, '127.0.0.1');
-      for (const sock of [client, upstream]) {
-        proxy!.live.add(sock);
-        sock.on('error', () => undefined);
-        sock.on('close', () => { proxy!.live.delete(sock); client.destroy(); upstream.destroy(); });
-      }
-      client.pipe(upstream);
-      upstream.pipe(client);
-    });
-    await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
-    const { port } = server.address() as { port: number };
-    proxy = new CuttingProxy(server, `http://127.0.0.1:${port}`);
-    return proxy;
-  }
-
-  cut(downForMs = 0): void {
-    this.cuts++;
-    this.downUntil = Date.now() + downForMs;
-    for (const sock of this.live) sock.destroy();
-  }
-
-  close(): Promise<void> {
-    this.cut();
-    return new Promise((r) => this.server.close(() => r()));
-  }
-}
 
 async function counter(name: string): Promise<number> {
   const text = await (await fetch(`${baseURL}/metrics`)).text();
