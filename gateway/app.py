@@ -44,14 +44,16 @@ from gateway.protocol import (
     decode_body,
     decode_request,
 )
+from gateway.resumable_sse import StreamRoutes, resumable_sse, wants_resumable
 from gateway.service import Gateway, GatewaySettings
+from gateway.stats_stream import StatsFeed
 from gateway.streaming import PING, DisconnectAwareResponse, EventStreamResponse
 from gateway.tracing import trace_headers
 from gateway.ws import WebSocketEndpoint
 from ipc.messages import FINISH_ERROR
 
 DONE = b"data: [DONE]\n\n"
-STATIC = Path(__file__).parent / "static"  # the chat page (clients/typescript builds sdk/)
+STATIC = Path(__file__).parent / "static"  # chat page, /dashboard (clients/typescript builds sdk/)
 
 
 def sse_event(payload: object) -> bytes:
@@ -61,6 +63,9 @@ def sse_event(payload: object) -> bytes:
 class Handlers:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        m = gateway.metrics
+        self.stats_feed = StatsFeed(lambda: gateway.client.engine_stats, m.ttft.ours, m.itl.ours,
+                                    lambda: len(gateway.generations))
 
     def _cards(self) -> list[ModelCard]:
         gw, info = self.gw, self.gw.client.info
@@ -126,6 +131,7 @@ class Handlers:
             settings = self.gw.settings
             body = await read_body(request, settings.max_body_bytes, settings.body_timeout)
             parsed = decode_request(body, kind)
+            wants_resumable(parsed.resumable, False, parsed.stream)  # 400 without stream
             jobs = await self.gw.prepare_all(parsed)
             for job in jobs:
                 job.trace_headers = trace_headers(request.headers)
@@ -153,7 +159,12 @@ class Handlers:
                     await self._close(gens)
                     return piece_error(item[1]).response()
                 first += [] if item is None else [item]
-            return EventStreamResponse(self._sse(gens, pieces, first), disconnected, headers)
+            events = self._sse(gens, pieces, first)
+            if wants_resumable(parsed.resumable, settings.resumable_streams, True):
+                return resumable_sse(self.gw.streams, events, request.headers,
+                                     lambda: self.gw.cancel(headers["X-Request-Id"]),
+                                     disconnected, headers, settings.sse_keepalive_interval)
+            return EventStreamResponse(events, disconnected, headers)
         return DisconnectAwareResponse(lambda: self._collect(gens, headers), disconnected)
 
     async def _close(self, gens: list[Generation]) -> None:
@@ -225,6 +236,10 @@ class Handlers:
     async def metrics(self, request: Request) -> Response:
         return Response(self.gw.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def stats_stream(self, request: Request) -> Response:
+        """The live view's feed: the kept history, then a snapshot a second (never ends)."""
+        return EventStreamResponse(self.stats_feed.events(), lambda: None)
+
     async def openapi(self, request: Request) -> Response:
         return _json(openapi_document())
 
@@ -264,6 +279,8 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
     h = Handlers(gw)
 
     responses = ResponsesRoutes(gw)
+    streams = StreamRoutes(gw.streams, gw.settings.sse_keepalive_interval,
+                           gw.metrics.client_disconnects.inc)
     routes = [
         Route("/v1/models", h.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", h.model, methods=["GET"]),
@@ -276,13 +293,18 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         *messages_routes(gw),
         Route("/v1/requests/{request_id}/cancel", h.cancel, methods=["POST"]),
+        Route("/v1/streams/{stream_id}", streams.resume, methods=["GET"]),
+        Route("/v1/streams/{stream_id}", streams.cancel, methods=["DELETE"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/livez", h.livez, methods=["GET"]),
         Route("/version", h.version, methods=["GET"]),
         Route("/metrics", h.metrics, methods=["GET"]),
+        Route("/v1/stats/stream", h.stats_stream, methods=["GET"]),
         Route("/openapi.json", h.openapi, methods=["GET"]),
         WebSocketRoute("/v1/ws", WebSocketEndpoint(gw)),
         Route("/", lambda request: FileResponse(STATIC / "index.html"), methods=["GET"]),
+        Route("/dashboard", lambda request: FileResponse(STATIC / "dashboard.html"),
+              methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     middleware = [
@@ -290,8 +312,9 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
                    allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                    allow_headers=["Authorization", "Content-Type", "traceparent",
                                   "tracestate", "x-api-key", "anthropic-version",
-                                  "anthropic-beta", "anthropic-dangerous-direct-browser-access"],
-                   expose_headers=["X-Request-Id", "Retry-After", "request-id"]),
+                                  "anthropic-beta", "anthropic-dangerous-direct-browser-access",
+                                  "Last-Event-ID"],
+                   expose_headers=["X-Request-Id", "Retry-After", "request-id", "X-Stream-Id"]),
         Middleware(ApiKeyMiddleware, api_key=gw.settings.api_key),
     ]
     app = Starlette(routes=routes, middleware=middleware,

@@ -23,6 +23,7 @@ import uvicorn
 from gateway.app import build_app
 from gateway.read_timeouts import timed_protocol
 from gateway.reasoning import REASONING_PARSERS
+from gateway.resumable import StreamLimits
 from gateway.service import Gateway, GatewaySettings
 from gateway.tool_calls import PARSERS
 from gateway.tracing import traces_url
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "answer: deepseek_r1 (text before </think>), qwen3 (inside "
                             "<think>...</think>), deepseek_v3 (as deepseek_r1 when the request "
                             "asks `thinking`), mistral ([THINK]...[/THINK]) (default: off)")
+    _add_stream_args(serve)
     _add_engine_process_args(serve)
     add_engine_args(serve)
     commands.add_parser("engine", help="run one engine process (python -m engine ...)",
@@ -118,6 +120,27 @@ class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.help and "(default:" in action.help:
             return action.help
         return super()._get_help_string(action)
+
+
+def _add_stream_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("resumable streams (docs/resume.md)")
+    group.add_argument("--resumable-streams", action="store_true",
+                       help="make every SSE and WebSocket stream resumable unless its request "
+                            "says `resumable: false` (by default only those that say `true`); "
+                            "its events then carry `id:` lines, which `vllm bench serve` cannot "
+                            "parse")
+    group.add_argument("--stream-grace-period", type=float, default=StreamLimits.grace_period,
+                       help="seconds a resumable stream's generation runs on with no reader "
+                            "before it is aborted and its KV freed")
+    group.add_argument("--stream-buffer-bytes", type=int, default=StreamLimits.max_stream_bytes,
+                       help="event bytes a resumable stream keeps for a reconnect (oldest "
+                            "dropped first)")
+    group.add_argument("--stream-buffer-age", type=float, default=StreamLimits.max_event_age,
+                       help="seconds a resumable stream keeps an event for a reconnect")
+    group.add_argument("--stream-buffer-total-bytes", type=int,
+                       default=StreamLimits.max_total_bytes,
+                       help="event bytes kept over all resumable streams (the largest buffer "
+                            "drops first)")
 
 
 def _add_engine_process_args(parser: argparse.ArgumentParser) -> None:
@@ -232,7 +255,11 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
         chat_template=Path(ns.chat_template).read_text() if ns.chat_template else None,
         tool_call_parser=ns.tool_call_parser,
         responses_store_mib=ns.responses_store_mib, responses_store_ttl=ns.responses_store_ttl,
-        reasoning_parser=ns.reasoning_parser,
+        reasoning_parser=ns.reasoning_parser, resumable_streams=ns.resumable_streams,
+        stream_limits=StreamLimits(grace_period=ns.stream_grace_period,
+                                   max_stream_bytes=ns.stream_buffer_bytes,
+                                   max_event_age=ns.stream_buffer_age,
+                                   max_total_bytes=ns.stream_buffer_total_bytes),
     )
 
 

@@ -306,6 +306,11 @@ class EngineClient:
         return self._incarnation
 
     @property
+    def engine_stats(self) -> list[tuple[str, EngineStats | None]]:
+        """(name, latest stats) of each live engine: this one (the live view's feed)."""
+        return [("engine 0", self.stats)] if self.ready else []
+
+    @property
     def dead(self) -> bool:
         """The current engine died (or closed) and no new one is ready."""
         return self._incarnation is None or self._incarnation in self._dead

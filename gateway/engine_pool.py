@@ -114,6 +114,12 @@ class EnginePool:
                               for n in EngineStats.__struct_fields__})
 
     @property
+    def engine_stats(self) -> list[tuple[str, EngineStats | None]]:
+        """(name, latest stats) of each live engine, named by its slot (the live view's feed)."""
+        return [(f"engine {i}", m.client.stats) for i, m in enumerate(self.members)
+                if m.client.ready]
+
+    @property
     def num_inflight(self) -> int:
         return sum(m.client.num_inflight for m in self.members)
 

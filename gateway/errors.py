@@ -23,6 +23,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     408: "invalid_request_error",
+    410: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",

@@ -49,6 +49,7 @@ class EngineClientLike(Protocol):
     info: EngineReady | None
     stats: EngineStats | None
     num_inflight: int
+    engine_stats: list[tuple[str, EngineStats | None]]  # per engine (data parallel: several)
 
     def submit(self, msg: AddRequest) -> RequestStreamLike: ...
 

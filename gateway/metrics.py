@@ -139,6 +139,34 @@ def _labelled(name: str, help_text: str, label: str,
     return family
 
 
+# (kind, name, help, attribute of the gateway's StreamRegistry): resumable streams
+_STREAM_METRICS = (
+    (GaugeMetricFamily, "pagedserve_resumable_streams",
+     "Resumable streams held (generating, or kept for a reconnect)", "num_streams"),
+    (GaugeMetricFamily, "pagedserve_resumable_streams_unread",
+     "Resumable streams with no reader attached (their grace period runs)", "unread"),
+    (GaugeMetricFamily, "pagedserve_resumable_buffered_bytes",
+     "Event bytes buffered for reconnects, over all streams", "buffered_bytes"),
+    (CounterMetricFamily, "pagedserve_stream_resumes", "Readers that resumed a stream",
+     "resumes"),
+    (CounterMetricFamily, "pagedserve_streams_expired",
+     "Streams forgotten after a grace period with no reader", "expired"),
+    (CounterMetricFamily, "pagedserve_streams_expired_aborted",
+     "Expired streams whose generation was still running (aborted then)", "aborted"),
+    (CounterMetricFamily, "pagedserve_stream_events_dropped",
+     "Buffered events dropped by the per-stream, global or age bound", "events_dropped"),
+)
+
+
+class _StreamCollector(Collector):
+    def __init__(self, registry: object) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        for family, name, help_text, attr in _STREAM_METRICS:
+            yield family(name, help_text, value=getattr(self._registry, attr))
+
+
 class _Histograms:
     """Ours and vLLM's name for one histogram, observed together."""
 
@@ -198,6 +226,10 @@ class Metrics:
             "pagedserve_requests", "Finished requests", ["finish_reason"], registry=r
         )
         r.register(_EngineCollector(stats, model))
+
+    def watch_streams(self, registry: object) -> None:
+        """Export the resumable-stream gauges and counters of a gateway.resumable registry."""
+        self.registry.register(_StreamCollector(registry))
 
     def finished(self, reason: str) -> None:
         """Count a finished request (by its finish reason)."""

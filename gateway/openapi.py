@@ -76,13 +76,19 @@ class MessagesStreamEvent(msgspec.Struct):
     event: StreamEvent
 
 
+class StreamCancelled(msgspec.Struct):
+    id: str
+    object: Literal["stream.cancelled"]
+    cancelled: bool  # False: it had finished already
+
+
 REQUESTS = (ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest,
             TokenizeChatRequest, DetokenizeRequest, ResponsesRequest, MessagesRequest,
             CountTokensRequest)
 RESPONSES = (ChatCompletion, ChatCompletionChunk, Completion, ModelList, ErrorEnvelope, Health,
              Liveness, VersionInfo, Cancelled, ModelCard, TokenizeResponse, DetokenizeResponse,
              ResponseObject, ResponseEvent, DeletedResponse, MessageReply, TokenCount,
-             AnthropicError, MessagesStreamEvent)
+             AnthropicError, MessagesStreamEvent, StreamCancelled)
 
 
 def _structs(tp: Any, found: dict[str, type]) -> dict[str, type]:
@@ -138,17 +144,47 @@ def _events(chunk: Schema) -> Schema:
     return {"type": "object", "required": ["data"], "properties": {
         "data": {"type": "string", "if": {"const": "[DONE]"}, "else": payload},
         "event": {"type": "string"},
+        "id": {"type": "string", "description": "`<stream id>:<seq>` on a resumable stream"},
     }}
 
 
 ERRORS = {
     400: "invalid request (validation, context length, chat template)",
     401: "missing or wrong API key (only when the server has one)",
-    404: "unknown model, route, running request or stored response",
+    404: "unknown model, route, running request, stored response or stream",
+    410: "the stream can no longer be resumed (`stream_expired`)",
     413: "request body too large",
     500: "the engine failed this request (or the gateway has a bug)",
     503: "engine not ready, overloaded or draining",
 }
+
+
+_P = {"type": "object", "properties": {f"p{q}": {"type": ["number", "null"]}
+                                       for q in (50, 90, 99)}}
+_ENGINE = {"type": "object", "properties": {
+    "engine": {"type": "string"}, "kv_cache_usage": {"type": "number"},
+    "kv_blocks_used": {"type": "integer"}, "kv_blocks_total": {"type": "integer"},
+    "running": {"type": "integer"}, "waiting": {"type": "integer"},
+    "swapped": {"type": "integer"}, "preemptions": {"type": "integer"},
+    "prefix_cache_hit_rate": {"type": ["number", "null"],
+                              "description": "hits / lookups over the last interval"},
+    "prefix_cache_hit_rate_total": {"type": ["number", "null"]},
+    "prompt_tokens_per_s": {"type": "number"}, "generation_tokens_per_s": {"type": "number"}}}
+STATS_SNAPSHOT = {"type": "object", "properties": {
+    "seq": {"type": "integer"}, "time": {"type": "number", "description": "Unix seconds"},
+    "interval_s": {"type": "number"}, "requests_in_flight": {"type": "integer"},
+    "engines": {"type": "array", "items": _ENGINE},
+    "ttft_seconds": _P, "itl_seconds": _P,
+    "latency_window_s": {"type": ["number", "null"],
+                         "description": "the percentiles cover requests of this many seconds"}}}
+
+
+def _stats_events() -> Schema:
+    """An event of the stats stream: a snapshot, or (event `history`) a list of them."""
+    return {"type": "object", "required": ["data"], "properties": {
+        "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {
+            "anyOf": [STATS_SNAPSHOT, {"type": "array", "items": STATS_SNAPSHOT}]}},
+        "event": {"type": "string"}, "id": {"type": "string"}}}
 
 
 def _errors(refs: dict[str, Schema], *statuses: int) -> dict[str, Schema]:
@@ -279,6 +315,34 @@ def _post(operation_id: str, body: Schema, ok: Schema, refs: dict[str, Schema],
     }}
 
 
+def _streams(refs: dict[str, Schema]) -> Schema:
+    """Resume (GET) and cancel (DELETE) a resumable stream (docs/resume.md)."""
+    path = {"name": "stream_id", "in": "path", "required": True,
+            "schema": {"type": "string", "minLength": 1}}
+    resume_from = [
+        {"name": "Last-Event-ID", "in": "header", "required": False,
+         "description": "`<stream id>:<seq>`: the events after that seq follow",
+         "schema": {"type": "string"}},
+        {"name": "after", "in": "query", "required": False,
+         "description": "the last seq received (without Last-Event-ID); default -1",
+         "schema": {"type": "integer"}},
+    ]
+    events = {"anyOf": [refs["ChatCompletionChunk"], refs["Completion"]]}
+    return {
+        "get": {"operationId": "resumeStream", "security": BEARER,
+                "parameters": [path, *resume_from],
+                "responses": {"200": {
+                    "description": "the stream's events after that seq, then its live tail",
+                    "headers": REQUEST_ID,
+                    "content": {"text/event-stream": {"schema": _events(events)}}},
+                    **_errors(refs, 400, 401, 404, 410)}},
+        "delete": {"operationId": "cancelStream", "security": BEARER, "parameters": [path],
+                   "responses": {"200": _json(refs["StreamCancelled"], "its generation was "
+                                              "aborted (or had finished)"),
+                                 **_errors(refs, 401, 404)}},
+    }
+
+
 def _get(operation_id: str, responses: dict[str, Schema]) -> Schema:
     return {"get": {"operationId": operation_id, "responses": responses}}
 
@@ -320,6 +384,7 @@ def openapi_document() -> dict[str, Any]:
             "operationId": "cancelRequest", "security": BEARER, "parameters": [cancel_path],
             "responses": {"200": _json(refs["Cancelled"], "the engine was told to abort it"),
                           **_errors(refs, 401, 404)}}},
+        "/v1/streams/{stream_id}": _streams(refs),
         "/health": _get("health", {
             "200": _json(refs["Health"], "ready"),
             "503": _json(refs["Health"], "engine not ready, or draining", RETRY_AFTER)}),
@@ -328,6 +393,14 @@ def openapi_document() -> dict[str, Any]:
         "/metrics": _get("metrics", {"200": {
             "description": "Prometheus text exposition",
             "content": {"text/plain": {"schema": {"type": "string"}}}}}),
+        "/v1/stats/stream": {"get": {
+            "operationId": "streamStats", "security": BEARER,
+            "responses": {"200": {
+                "description": "server-sent events that never end: first `event: history` "
+                               "(the kept snapshots, oldest first), then one snapshot a "
+                               "second (`id:` its seq); the live view at /dashboard reads it",
+                "content": {"text/event-stream": {"schema": _stats_events()}}},
+                **_errors(refs, 401)}}},
         "/openapi.json": _get("openapi", {"200": _json({"type": "object"}, "this document")}),
         **_messages(refs, components),
     }

@@ -154,6 +154,8 @@ class _Common(msgspec.Struct, kw_only=True):
     length_penalty: float = 1.0  # with use_beam_search: scores divided by length ** this
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # pagedserve: a stream that survives a dropped connection (None: --resumable-streams)
+    resumable: bool | None = None
     # vLLM's removed guided_* fields: gateway/refused.py answers them
     add_special_tokens: bool = False  # the tokenizer's special tokens (a BOS) added to the prompt
 

@@ -22,6 +22,7 @@ from gateway.metrics import Metrics
 from gateway.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, to_sampling
 from gateway.reasoning import REASONING_PARSERS
 from gateway.reasoning.think import ThinkParser
+from gateway.resumable import StreamLimits, StreamRegistry
 from gateway.structured import CallSyntax, structured_for, tool_choice_of
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calls import PARSERS, detect_parser, parser_for, template_messages
@@ -59,6 +60,8 @@ class GatewaySettings:
     responses_store_ttl: float = 3600.0
     # splits chat replies into reasoning and answer: None (off) or a gateway/reasoning name
     reasoning_parser: str | None = None
+    resumable_streams: bool = False  # streams resumable unless a request says `resumable: false`
+    stream_limits: StreamLimits = field(default_factory=StreamLimits)  # grace period, bounds
 
     def __post_init__(self) -> None:
         interval = self.sse_keepalive_interval
@@ -89,6 +92,8 @@ class Gateway:
     def __post_init__(self) -> None:
         self.metrics = Metrics(lambda: self.client.stats, lambda: self.model_name)
         self.generations: dict[str, Generation] = {}
+        self.streams = StreamRegistry(self.settings.stream_limits)
+        self.metrics.watch_streams(self.streams)
         self.drain_listeners: list[Callable[[], None]] = []
         self._tokenizers: dict[str, Tokenizer] = {}
         self._syntax: dict[Path, CallSyntax] = {}  # per tokenizer directory

@@ -17,11 +17,14 @@ import msgspec
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from gateway import resumable_ws as ws_stream
 from gateway.auth import bearer_ok
 from gateway.chunks import ChunkBuilder, timeline_of, usage_of
 from gateway.errors import ApiError
 from gateway.generation import Generation, piece_error
 from gateway.protocol import ChatCompletionRequest, RequestId, decode_request
+from gateway.resumable import ResumableStream
+from gateway.resumable_sse import wants_resumable
 from gateway.service import Gateway
 from gateway.tracing import trace_headers
 from ipc.messages import FINISH_ABORT, FINISH_ERROR
@@ -46,7 +49,13 @@ class Ping(msgspec.Struct, tag="ping"):
     pass
 
 
-_frames = msgspec.json.Decoder(Generate | Cancel | Ping)
+class Resume(msgspec.Struct, tag="resume"):
+    id: RequestId  # the id its frames carry on this socket
+    stream_id: str  # from its generation.started
+    after_seq: int = -1  # the last delta seq received
+
+
+_frames = msgspec.json.Decoder(Generate | Cancel | Ping | Resume)
 
 
 class State(enum.IntEnum):
@@ -78,6 +87,8 @@ class Outbox:
             queued = self._open_delta.get(gen_id)  # type: ignore[arg-type]
             if queued is not None:
                 self._chars += _merge_chunk(queued["chunk"], frame["chunk"])
+                if "seq" in frame:  # NOTE: a resumable generation's: the last merged one
+                    queued["seq"] = frame["seq"]
                 self._check()
                 return
             self._open_delta[gen_id] = frame  # type: ignore[index]
@@ -174,6 +185,9 @@ class Session:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.endings: set[asyncio.Future[None]] = set()  # see _task_done
         self.seq: dict[str, int] = {}
+        self.owner = b""  # digest of the key it presented (resumable streams are bound to it)
+        self.producing: dict[str, ResumableStream] = {}  # resumable generations started here
+        self.following: dict[str, ResumableStream] = {}  # resumable generations sent here
 
     async def run(self) -> None:
         problem = self._handshake_problem()
@@ -181,6 +195,7 @@ class Session:
             await self.ws.close(code=CLOSE_POLICY, reason=problem)
             return
         offered = self.ws.scope.get("subprotocols", [])
+        self.owner = ws_stream.socket_owner(self.ws.headers.get("authorization", ""), offered)
         await self.ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
         self.state = State.DRAINING if self.gw.draining else State.OPEN
         self.gw.drain_listeners.append(self._on_drain)
@@ -251,6 +266,8 @@ class Session:
         match frame:
             case Ping():
                 self.push({"type": "pong"})
+            case Cancel(id=gen_id) if gen_id in self.following:
+                self.following[gen_id].cancel()  # NOTE: ends through the engine, as a drop
             case Cancel(id=gen_id):
                 task = self.tasks.get(gen_id)
                 if task is None:
@@ -260,6 +277,8 @@ class Session:
                     task.cancel()
             case Generate(id=gen_id, request=raw):
                 await self._start(gen_id, raw)
+            case Resume(id=gen_id, stream_id=stream_id, after_seq=after):
+                self._resume(gen_id, stream_id, after)
 
     async def _start(self, gen_id: str, raw: msgspec.Raw) -> None:
         try:
@@ -277,10 +296,59 @@ class Session:
             self._error(gen_id, exc)
             return
         self.seq[gen_id] = 0
+        if wants_resumable(request.resumable, self.gw.settings.resumable_streams, True):
+            self._start_resumable(gen_id, gen)
+            return
         self.push({"type": "generation.started", "id": gen_id, "request_id": gen.job.request_id})
         task = asyncio.create_task(self._run(gen_id, gen))
         self.tasks[gen_id] = task
         task.add_done_callback(lambda t: self._task_done(gen_id, gen, t))
+
+    # ---- resumable generations (gateway/resumable_ws.py) -------------------------------
+
+    def _start_resumable(self, gen_id: str, gen: Generation) -> None:
+        """Run the generation on a stream of its own (a closed socket no longer ends it) and
+        follow that stream here."""
+        stream = self.gw.streams.open(ws_stream.KIND, self.owner,
+                                      lambda s: self._run(gen_id, gen),
+                                      lambda: self.gw.cancel(gen.job.request_id))
+        stream.meta["request_id"] = gen.job.request_id
+        self.producing[gen_id] = stream
+        self.push({"type": "generation.started", "id": gen_id, "request_id": gen.job.request_id,
+                   "stream_id": stream.id})
+        self._follow(gen_id, stream, -1)
+
+    def _resume(self, gen_id: str, stream_id: str, after: int) -> None:
+        try:
+            if gen_id in self.tasks:
+                raise ApiError(400, f"generation `{gen_id}` is running", "duplicate_id", "id")
+            if len(self.tasks) >= MAX_GENERATIONS_PER_SOCKET:
+                raise ApiError(429, "too many generations on this socket", "too_many_generations")
+            stream = self.gw.streams.find(stream_id, ws_stream.KIND, self.owner)
+            stream.check_after(after, "after_seq")
+        except ApiError as exc:
+            self._error(gen_id, exc)
+            return
+        self.gw.streams.resumed()
+        self.push({"type": "generation.resumed", "id": gen_id, "stream_id": stream_id,
+                   "request_id": stream.meta["request_id"], "after_seq": after})
+        self._follow(gen_id, stream, after)
+
+    def _follow(self, gen_id: str, stream: ResumableStream, after: int) -> None:
+        async def forward() -> None:
+            async for frame in ws_stream.follow(stream, after, gen_id):
+                self._deliver(frame)
+
+        task = asyncio.create_task(forward())
+        self.tasks[gen_id] = task
+        self.following[gen_id] = stream
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self.tasks.get(gen_id) is t:
+                del self.tasks[gen_id]
+                del self.following[gen_id]
+
+        task.add_done_callback(done)
 
     # ---- generations --------------------------------------------------------------------
 
@@ -338,6 +406,14 @@ class Session:
     # ---- frames out ---------------------------------------------------------------------
 
     def push(self, frame: dict[str, Any]) -> None:
+        stream = self.producing.get(frame.get("id"))  # type: ignore[arg-type]
+        if stream is not None and frame["type"] in ws_stream.RECORDED:
+            if ws_stream.record(stream, frame):
+                del self.producing[frame["id"]]
+            return
+        self._deliver(frame)
+
+    def _deliver(self, frame: dict[str, Any]) -> None:
         if self.state is not State.CLOSED:
             self.outbox.push(frame)
 
@@ -349,7 +425,7 @@ class Session:
 
     async def _send_loop(self) -> None:
         while (frame := await self.outbox.pop()) is not None:
-            if frame["type"] == "generation.delta":
+            if frame["type"] == "generation.delta" and "seq" not in frame:
                 frame["seq"] = self.seq[frame["id"]]
                 self.seq[frame["id"]] += 1
             await self.ws.send_text(msgspec.json.encode(frame).decode())

@@ -78,6 +78,10 @@ class FakeEngine:
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     @property
+    def engine_stats(self) -> list[tuple[str, EngineStats | None]]:
+        return [("engine 0", self.stats)] if self.ready else []
+
+    @property
     def num_inflight(self) -> int:
         return len(self._tasks)
 

@@ -34,6 +34,7 @@ SETTINGS = settings(max_examples=30, derandomize=True, deadline=None, database=N
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                            HealthCheck.data_too_large])
 RUNNING = "fuzz-running"  # a request the cancel operation's explicit case cancels
+STREAM: list[str] = []  # a finished resumable stream the stream operations' cases resume
 
 
 def _schema() -> schemathesis.BaseSchema:
@@ -41,15 +42,19 @@ def _schema() -> schemathesis.BaseSchema:
 
 
 OPERATIONS = [result.ok().label for result in _schema().get_all_operations()]
+# NOTE: the stats stream never ends, so it cannot be fuzzed by request and response;
+# tests/gateway/test_stats_stream.py checks its events against the document's schema
+FUZZED = [label for label in OPERATIONS if label != "GET /v1/stats/stream"]
 
 
 def test_document_is_valid_and_covers_every_route(fake_engine: FakeEngine) -> None:
     _schema().validate()  # against the OpenAPI 3.1 meta-schema
-    # HEAD comes with every GET; `/` is the chat page; /static and /v1/ws are not HTTP APIs.
+    # HEAD comes with every GET; `/` and /dashboard are pages; /static and /v1/ws are not
+    # HTTP APIs.
     # a `{name:path}` parameter (model ids may hold `/`) is `{name}` in OpenAPI
     served = {f"{method} {route.path.replace(':path}', '}')}"
               for route in build_app(fake_engine).routes
-              if isinstance(route, Route) and route.path != "/"
+              if isinstance(route, Route) and route.path not in ("/", "/dashboard")
               for method in (route.methods or set()) - {"HEAD"}}
     assert set(OPERATIONS) == served
 
@@ -70,6 +75,8 @@ def _explicit_cases(operation: schemathesis.APIOperation,
         return [operation.Case(path_parameters={"response_id": stored})]
     if "{model_id}" in operation.path:
         return [operation.Case(path_parameters={"model_id": "test-model"})]
+    if "{stream_id}" in operation.path:
+        return [operation.Case(path_parameters={"stream_id": STREAM[-1]})]
     if operation.path_parameters:
         return [operation.Case(path_parameters={"request_id": RUNNING})]
     body = openapi_document()["paths"][operation.path][operation.method.lower()].get(
@@ -108,7 +115,7 @@ def _fuzz(url: str, label: str, stored: str | None = None) -> Counter[str]:
     return seen
 
 
-@pytest.mark.parametrize("label", OPERATIONS)
+@pytest.mark.parametrize("label", FUZZED)
 async def test_fuzz_against_the_document(fake_engine: FakeEngine, label: str) -> None:
     fake_engine.interval = 0.0
     app = build_app(fake_engine)
@@ -124,6 +131,11 @@ async def test_fuzz_against_the_document(fake_engine: FakeEngine, label: str) ->
         if "{response_id}" in label:  # a stored response for the explicit case
             reply = await http.post("/v1/responses", json={"input": "x", "max_output_tokens": 2})
             stored = reply.json()["id"]
+        if "{stream_id}" in label:  # a finished resumable stream, to resume and cancel
+            body = {"prompt": "x", "max_tokens": 3, "stream": True, "resumable": True}
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                STREAM.append(r.headers["x-stream-id"])
+                await r.aread()
         seen = await asyncio.to_thread(_fuzz, url, label, stored)
         if running is not None:
             assert (await running).json()["choices"][0]["finish_reason"] == "abort"

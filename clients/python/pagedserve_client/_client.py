@@ -2,13 +2,15 @@
 models, cancel, tokenize/detokenize.
 
 Both retry 408/409/429/5xx and connection errors with backoff (honouring Retry-After) before any
-byte of a response reaches the caller; a stream already handed out is never retried.
+byte of a response reaches the caller; a stream already handed out is never retried, but a
+resumable one (`resumable=True`) that breaks is resumed after its last event (_streaming.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from typing import Any, Literal, TypeVar, overload
 from urllib.parse import quote
 
@@ -19,7 +21,7 @@ from pagedserve_client._base import ClientSettings, body, connection_error
 from pagedserve_client._errors import status_error
 from pagedserve_client._responses import AsyncResponses, Responses
 from pagedserve_client._retry import retry_delay, should_retry
-from pagedserve_client._streaming import AsyncStream, Stream
+from pagedserve_client._streaming import AsyncStream, Resumer, Stream
 from pagedserve_client._types import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -73,11 +75,12 @@ class Client:
         return self.request("POST", "/detokenize", {"tokens": tokens}).json()["prompt"]
 
     def request(self, method: str, path: str, payload: dict[str, Any] | None,
-                stream: bool = False) -> httpx.Response:
+                stream: bool = False, headers: dict[str, str] | None = None) -> httpx.Response:
         """Send with retries; returns a response with a 2xx status or raises a typed error."""
         s = self.settings
         content = body(payload) if payload is not None else None
-        headers = {**s.headers, **({"Content-Type": "application/json"} if content else {})}
+        headers = {**s.headers, **({"Content-Type": "application/json"} if content else {}),
+                   **(headers or {})}
         request = self._http.build_request(method, s.base_url + path, content=content,
                                            headers=headers)
         for attempt in range(s.max_retries + 1):
@@ -103,8 +106,20 @@ class Client:
                 ) -> T | Stream[Any]:
         response = self.request("POST", path, payload, stream=bool(payload.get("stream")))
         if payload.get("stream"):
-            return Stream(response, chunk)
+            return Stream(response, chunk, self._resumer(response))
         return msgspec.json.decode(response.content, type=cls)
+
+    def _resumer(self, response: httpx.Response) -> Resumer[httpx.Response] | None:
+        stream_id = response.headers.get("x-stream-id")
+        if stream_id is None:
+            return None
+        path = f"/v1/streams/{stream_id}"
+
+        def reopen(last_event_id: str | None) -> httpx.Response:
+            headers = {"Last-Event-ID": last_event_id} if last_event_id else None
+            return self.request("GET", path, None, stream=True, headers=headers)
+
+        return Resumer(stream_id, reopen, lambda: self.request("DELETE", path, None).close())
 
 
 class AsyncClient:
@@ -148,10 +163,12 @@ class AsyncClient:
         return (await self.request("POST", "/detokenize", {"tokens": tokens})).json()["prompt"]
 
     async def request(self, method: str, path: str, payload: dict[str, Any] | None,
-                      stream: bool = False) -> httpx.Response:
+                      stream: bool = False, headers: dict[str, str] | None = None
+                      ) -> httpx.Response:
         s = self.settings
         content = body(payload) if payload is not None else None
-        headers = {**s.headers, **({"Content-Type": "application/json"} if content else {})}
+        headers = {**s.headers, **({"Content-Type": "application/json"} if content else {}),
+                   **(headers or {})}
         request = self._http.build_request(method, s.base_url + path, content=content,
                                            headers=headers)
         for attempt in range(s.max_retries + 1):
@@ -177,8 +194,24 @@ class AsyncClient:
                       ) -> T | AsyncStream[Any]:
         response = await self.request("POST", path, payload, stream=bool(payload.get("stream")))
         if payload.get("stream"):
-            return AsyncStream(response, chunk)
+            return AsyncStream(response, chunk, self._resumer(response))
         return msgspec.json.decode(response.content, type=cls)
+
+    def _resumer(self, response: httpx.Response
+                 ) -> Resumer[Awaitable[httpx.Response]] | None:
+        stream_id = response.headers.get("x-stream-id")
+        if stream_id is None:
+            return None
+        path = f"/v1/streams/{stream_id}"
+
+        async def reopen(last_event_id: str | None) -> httpx.Response:
+            headers = {"Last-Event-ID": last_event_id} if last_event_id else None
+            return await self.request("GET", path, None, stream=True, headers=headers)
+
+        async def cancel() -> None:
+            await (await self.request("DELETE", path, None)).aclose()
+
+        return Resumer(stream_id, reopen, cancel)
 
 
 # ---- resources ----------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 A reader task routes frames by generation id into per-generation queues. When the server closes
 with 1001/1011/1012/1013 (going away, error, restart, try again later) the client reconnects with
 backoff; generations that were running on the old socket end with APIConnectionError, since the
-server aborted them when the socket closed.
+server aborted them when the socket closed, except resumable ones (`resumable=True`): those
+are resumed on the new socket after their last delta (also after a plain network drop).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pagedserve_client._types import ChatCompletionChunk, GenerationDone
 
 SUBPROTOCOL = "pagedserve.v1"
 RECONNECT_CODES = frozenset({1001, 1011, 1012, 1013})
+NO_RESUME_CODES = frozenset({1000, 1008})  # a normal close, a policy refusal (bad key, origin)
 _END = object()
 
 
@@ -32,6 +34,8 @@ class Generation:
     def __init__(self, socket: WebSocketClient, gen_id: str) -> None:
         self.id = gen_id
         self.request_id: str | None = None
+        self.stream_id: str | None = None  # set when the server made it resumable
+        self.last_seq = -1  # the last delta's seq: where a resume continues
         self.done: GenerationDone | None = None
         self._socket = socket
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -164,10 +168,11 @@ class WebSocketClient:
         else:
             code = ws.close_code
         self._ready.clear()
-        self._fail_all(APIConnectionError(f"WebSocket closed (code {code})"))
+        resumable = self._reconnect and not self._closing and code not in NO_RESUME_CODES
+        self._fail_all(APIConnectionError(f"WebSocket closed (code {code})"), resumable)
         if self._closing:
             return
-        if self._reconnect and code in RECONNECT_CODES:
+        if self._reconnect and (code in RECONNECT_CODES or (resumable and self._generations)):
             await self._reconnect_loop()
         else:
             self._failure = APIConnectionError(f"WebSocket closed (code {code})")
@@ -184,8 +189,20 @@ class WebSocketClient:
                 self._failure = exc
                 continue
             self.reconnects += 1
+            await self._resume_all()
             return
         self._ready.set()  # NOTE: wakes waiters, who then raise the last failure
+        self._fail_all(self._failure or APIConnectionError("WebSocket reconnect failed"))
+
+    async def _resume_all(self) -> None:
+        assert self._ws is not None
+        for gen in list(self._generations.values()):
+            frame = {"type": "resume", "id": gen.id, "stream_id": gen.stream_id,
+                     "after_seq": gen.last_seq}
+            try:
+                await self._send(self._ws, frame)
+            except APIConnectionError as exc:
+                self._end(gen, exc)
 
     def _dispatch(self, frame: dict[str, Any]) -> None:
         kind, gen = frame.get("type"), self._generations.get(frame.get("id", ""))
@@ -197,8 +214,9 @@ class WebSocketClient:
         elif gen is None:
             return  # NOTE: pong, or a frame for a generation this client already ended
         elif kind == "generation.started":
-            gen.request_id = frame.get("request_id")
+            gen.request_id, gen.stream_id = frame.get("request_id"), frame.get("stream_id")
         elif kind == "generation.delta":
+            gen.last_seq = frame.get("seq", gen.last_seq)
             gen._push(msgspec.convert(frame["chunk"], ChatCompletionChunk))
         elif kind == "generation.done":
             gen.done = msgspec.convert(frame, GenerationDone)
@@ -210,6 +228,7 @@ class WebSocketClient:
         self._generations.pop(gen.id, None)
         gen._push(item)
 
-    def _fail_all(self, error: PagedServeError) -> None:
+    def _fail_all(self, error: PagedServeError, keep_resumable: bool = False) -> None:
         for gen in list(self._generations.values()):
-            self._end(gen, error)
+            if not (keep_resumable and gen.stream_id is not None):
+                self._end(gen, error)

@@ -1,11 +1,12 @@
 /** `PagedServe`: the HTTP client (chat completions, completions, responses, models, cancel) over fetch.
  * Retries 408/409/429/5xx and network errors with backoff (honouring Retry-After) before any
- * byte of a response reaches the caller; a stream already handed out is never retried. */
+ * byte of a response reaches the caller; a stream already handed out is never retried, but a
+ * resumable one (`resumable: true`) that breaks is resumed after its last event (streaming.ts). */
 
 import { APIConnectionError, APITimeoutError, APIUserAbortError, statusError } from './errors.js';
 import type { ResponseCreateParams, ResponseObject, ResponseStreamEvent } from './responses.js';
 import { retryDelayMs, shouldRetry, sleep } from './retry.js';
-import { Stream } from './streaming.js';
+import { Stream, type Resumer } from './streaming.js';
 import type {
   ChatCompletion, ChatCompletionChunk, ChatCompletionParams, ChatMessageParam, Completion,
   CompletionParams, Model, ModelList, RequestOptions, Tokenized,
@@ -103,8 +104,22 @@ export class PagedServe {
 
   private async create(path: string, params: { stream?: boolean }, options?: RequestOptions): Promise<any> {
     const { response, controller } = await this.request('POST', path, params, options);
-    if (params.stream) return new Stream(response, controller);
+    if (params.stream) return new Stream(response, controller, this.resumer(response, options));
     return response.json();
+  }
+
+  /** How a resumable stream (one whose response named an `X-Stream-Id`) reopens and cancels. */
+  private resumer(response: Response, options?: RequestOptions): Resumer | null {
+    const streamId = response.headers.get('x-stream-id');
+    if (streamId === null) return null;
+    const path = `/v1/streams/${encodeURIComponent(streamId)}`;
+    return {
+      streamId,
+      reopen: (lastEventId) => this.request('GET', path, undefined, {
+        ...options, headers: lastEventId ? { 'Last-Event-ID': lastEventId } : undefined,
+      }),
+      cancel: async () => { await (await this.request('DELETE', path, undefined)).response.arrayBuffer(); },
+    };
   }
 
   /** Send with retries; resolves to a 2xx response or rejects with a typed error. */
@@ -113,6 +128,7 @@ export class PagedServe {
     const headers: Record<string, string> = { Accept: 'application/json' };
     if (body !== undefined) headers['Content-Type'] = 'application/json';
     if (this.apiKey) headers.Authorization = `Bearer ${this.apiKey}`;
+    Object.assign(headers, options.headers);
     for (let attempt = 0; ; attempt++) {
       const last = attempt >= this.maxRetries;
       const controller = new AbortController();

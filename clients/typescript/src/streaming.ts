@@ -1,15 +1,39 @@
 /** SSE responses as AsyncIterables of chunks; `break` or the AbortSignal drops the connection,
- * which the server turns into an abort of the request. */
+ * which the server turns into an abort of the request.
+ *
+ * A resumable stream (the response named an `X-Stream-Id`) that breaks is reopened with
+ * `GET /v1/streams/{id}` and `Last-Event-ID`: the server sends only the events after the last one
+ * read, so the text continues exactly once; leaving it early cancels it with `DELETE`. */
 
 import { APIConnectionError, APIUserAbortError, streamError } from './errors.js';
+import { retryDelayMs, sleep } from './retry.js';
 import { iterEvents } from './sse.js';
+
+/** Reconnects in a row that bring no new event before a resumable stream gives up. */
+export const MAX_RESUMES = 5;
+
+export interface Opened { response: Response; controller: AbortController }
+
+/** How a resumable stream reopens itself after its last event id, and cancels itself. */
+export interface Resumer {
+  streamId: string;
+  reopen(lastEventId: string | null): Promise<Opened>;
+  cancel(): Promise<void>;
+}
 
 export class Stream<T> implements AsyncIterable<T> {
   readonly requestId: string | null;
+  readonly streamId: string | null;
+  /** The last SSE id read (`<stream id>:<seq>` on a resumable stream). */
+  lastEventId: string | null = null;
+  /** Reconnects made after the connection dropped. */
+  resumes = 0;
   private consumed = false;
 
-  constructor(readonly response: Response, private readonly controller: AbortController) {
+  constructor(public response: Response, private controller: AbortController,
+              private readonly resumer: Resumer | null = null) {
     this.requestId = response.headers.get('x-request-id');
+    this.streamId = resumer?.streamId ?? null;
   }
 
   /** Stop reading and cancel the request on the server. */
@@ -20,26 +44,60 @@ export class Stream<T> implements AsyncIterable<T> {
   async *[Symbol.asyncIterator](): AsyncIterator<T> {
     if (this.consumed) throw new Error('a Stream can be iterated only once');
     this.consumed = true;
-    if (!this.response.body) throw new APIConnectionError('the response has no body');
     let finished = false;
+    let fruitless = 0;
     try {
-      for await (const event of iterEvents(this.response.body)) {
-        if (event.data === '[DONE]') {
-          finished = true;
-          return;
+      for (;;) {
+        let broke: APIConnectionError;
+        try {
+          if (!this.response.body) throw new APIConnectionError('the response has no body');
+          for await (const event of iterEvents(this.response.body)) {
+            if (event.id !== null) this.lastEventId = event.id;
+            fruitless = 0;
+            if (event.data === '[DONE]') {
+              finished = true;
+              return;
+            }
+            yield this.decode(event.data, event.event);
+          }
+          if (!this.resumer) {
+            finished = true; // NOTE: a plain stream may end with its body (Responses sends no [DONE])
+            return;
+          }
+          broke = new APIConnectionError('stream ended before [DONE]');
+        } catch (err) {
+          if (this.controller.signal.aborted) throw new APIUserAbortError('request aborted', { cause: err });
+          if (!(err instanceof TypeError || (err as Error)?.name === 'AbortError')) throw err;
+          broke = new APIConnectionError(`stream broke: ${(err as Error).message}`, { cause: err });
+          if (!this.resumer) throw broke;
         }
-        yield this.decode(event.data, event.event);
+        fruitless = await this.reopen(broke, fruitless);
+        this.resumes++;
       }
-      finished = true; // NOTE: a Responses stream ends with its body, not with [DONE]
-    } catch (err) {
-      if (this.controller.signal.aborted) throw new APIUserAbortError('request aborted', { cause: err });
-      if (err instanceof TypeError || (err as Error)?.name === 'AbortError') {
-        throw new APIConnectionError(`stream broke: ${(err as Error).message}`, { cause: err });
-      }
-      throw err;
     } finally {
-      // NOTE: on `break` or an error this drops the connection, which cancels on the server.
-      if (!finished) this.controller.abort();
+      // NOTE: on `break` or an error this drops the connection, which cancels on the server
+      // (a resumable stream outlives its connection, so it is cancelled by DELETE).
+      if (!finished) {
+        this.controller.abort();
+        void this.resumer?.cancel().catch(() => undefined);
+      }
+    }
+  }
+
+  /** Reopen after the last event read, with backoff; returns the reconnects without progress. */
+  private async reopen(broke: APIConnectionError, fruitless: number): Promise<number> {
+    for (;;) {
+      if (fruitless >= MAX_RESUMES) throw broke;
+      await sleep(retryDelayMs(fruitless++));
+      try {
+        const opened = await this.resumer!.reopen(this.lastEventId);
+        this.response = opened.response;
+        this.controller = opened.controller;
+        return fruitless;
+      } catch (err) {
+        if (!(err instanceof APIConnectionError)) throw err; // e.g. 410 stream_expired
+        broke = err;
+      }
     }
   }
 

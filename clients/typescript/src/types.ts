@@ -71,6 +71,8 @@ export interface CommonParams {
   use_beam_search?: boolean;
   length_penalty?: number;
   stream_options?: { include_usage?: boolean };
+  /** pagedserve: the stream survives a dropped connection (docs/resume.md). */
+  resumable?: boolean;
   response_format?: ResponseFormat;
   structured_outputs?: StructuredOutputs;
   [extra: string]: unknown;
@@ -169,6 +171,8 @@ export interface GenerationDone {
 export interface RequestOptions {
   /** Aborting it cancels the request (and the generation on the server). */
   signal?: AbortSignal;
+  /** Extra request headers. */
+  headers?: Record<string, string>;
 }
 
 /** The text a chunk adds (empty for role-only and usage chunks). */

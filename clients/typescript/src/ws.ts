@@ -1,7 +1,9 @@
 /** WebSocket client for `/v1/ws` (subprotocol `pagedserve.v1`): many generations on one socket.
  * Uses the global WebSocket (browsers, Deno, Bun, Node >= 22) or the optional `ws` package (Node 20).
  * On close codes 1001/1011/1012/1013 it reconnects with backoff; generations running on the old
- * socket end with APIConnectionError, since the server aborted them when the socket closed. */
+ * socket end with APIConnectionError, since the server aborted them when the socket closed,
+ * except resumable ones (`resumable: true`): those are resumed on the new socket after their last
+ * delta (also after a plain network drop, code 1006). */
 
 import { APIConnectionError, PagedServeError, streamError } from './errors.js';
 import { retryDelayMs, sleep } from './retry.js';
@@ -10,6 +12,8 @@ import { chunkText } from './types.js';
 
 export const SUBPROTOCOL = 'pagedserve.v1';
 export const RECONNECT_CODES: ReadonlySet<number> = new Set([1001, 1011, 1012, 1013]);
+/** A normal close and a policy refusal (bad key, origin): nothing to resume after them. */
+export const NO_RESUME_CODES: ReadonlySet<number> = new Set([1000, 1008]);
 
 /** The part of the WHATWG WebSocket this client uses (the `ws` package has it too). */
 export interface WebSocketLike {
@@ -33,6 +37,10 @@ type Item = { chunk: ChatCompletionChunk } | { done: GenerationDone } | { error:
 /** One generation's chunks as an AsyncIterable; `break` (or the signal) cancels it on the server. */
 export class Generation implements AsyncIterable<ChatCompletionChunk> {
   requestId: string | null = null;
+  /** Set when the server made it resumable. */
+  streamId: string | null = null;
+  /** The last delta's seq: where a resume continues. */
+  lastSeq = -1;
   done: GenerationDone | null = null;
   private readonly items: Item[] = [];
   private wake: (() => void) | null = null;
@@ -138,15 +146,23 @@ export class WebSocketClient {
   }
 
   private async onClose(code: number): Promise<void> {
-    this.failAll(new APIConnectionError(`WebSocket closed (code ${code})`));
+    const reconnect = (this.options.reconnect ?? true) && !this.closing;
+    const resumable = reconnect && !NO_RESUME_CODES.has(code);
+    this.failAll(new APIConnectionError(`WebSocket closed (code ${code})`), resumable);
     if (this.closing) return;
-    if (!(this.options.reconnect ?? true) || !RECONNECT_CODES.has(code)) {
+    if (!reconnect || !(RECONNECT_CODES.has(code) || (resumable && this.generations.size > 0))) {
       this.socket = Promise.reject(new APIConnectionError(`WebSocket closed (code ${code})`));
       this.socket.catch(() => undefined);
       return;
     }
     this.socket = this.reconnect();
-    this.socket.catch(() => undefined);
+    this.socket.then((ws) => this.resumeAll(ws), (err) => this.failAll(err));
+  }
+
+  private resumeAll(ws: WebSocketLike): void {
+    for (const gen of this.generations.values()) {
+      ws.send(JSON.stringify({ type: 'resume', id: gen.id, stream_id: gen.streamId, after_seq: gen.lastSeq }));
+    }
   }
 
   private async reconnect(): Promise<WebSocketLike> {
@@ -176,8 +192,13 @@ export class WebSocketClient {
         return;
     }
     if (!gen) return; // NOTE: pong, or a frame for a generation already ended
-    if (frame.type === 'generation.started') gen.requestId = frame.request_id ?? null;
-    else if (frame.type === 'generation.delta') gen.push({ chunk: frame.chunk });
+    if (frame.type === 'generation.started') {
+      gen.requestId = frame.request_id ?? null;
+      gen.streamId = frame.stream_id ?? null;
+    } else if (frame.type === 'generation.delta') {
+      gen.lastSeq = frame.seq ?? gen.lastSeq;
+      gen.push({ chunk: frame.chunk });
+    }
     else if (frame.type === 'generation.done') {
       gen.done = frame as unknown as GenerationDone;
       this.end(gen, { done: gen.done });
@@ -189,8 +210,10 @@ export class WebSocketClient {
     gen.push(item);
   }
 
-  private failAll(error: PagedServeError): void {
-    for (const gen of [...this.generations.values()]) this.end(gen, { error });
+  private failAll(error: PagedServeError, keepResumable = false): void {
+    for (const gen of [...this.generations.values()]) {
+      if (!(keepResumable && gen.streamId !== null)) this.end(gen, { error });
+    }
   }
 }
 

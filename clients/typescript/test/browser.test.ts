@@ -38,7 +38,7 @@ describe('chat page in headless Chromium', () => {
     await page.fill('#max-tokens', '3000');
     await page.fill('#prompt', 'Tell me a long story about a dragon.');
     await page.click('#send');
-    const reply = page.locator('.msg.assistant').last();
+    const reply = page.locator('.msg.assistant .content').last();
     await expect.poll(async () => (await reply.textContent())?.length ?? 0, { timeout: 20_000 }).toBeGreaterThan(20);
     expect(await page.getAttribute('body', 'data-state')).toBe('generating');
     expect(await metric(baseURL, 'pagedserve_requests_running')).toBe(1);

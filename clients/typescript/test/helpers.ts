@@ -1,4 +1,6 @@
-/** Shared test helpers: the server's metrics. */
+/** Shared test helpers: the server's metrics, and a proxy that cuts the network. */
+
+import { createConnection, createServer, type Server, type Socket } from 'node:net';
 
 export async function metric(baseURL: string, name: string): Promise<number> {
   const text = await (await fetch(`${baseURL}/metrics`)).text();
@@ -16,4 +18,44 @@ export async function waitIdle(baseURL: string, timeoutMs = 5000): Promise<numbe
     running = await metric(baseURL, 'pagedserve_requests_running');
   }
   return running;
+}
+
+
+/** A TCP proxy to the server whose `cut(downForMs)` drops every connection through it and
+ * refuses new ones for that long: the network going away under a client. */
+export class CuttingProxy {
+  cuts = 0;
+  private live = new Set<Socket>();
+  private downUntil = 0;
+  private constructor(private readonly server: Server, readonly url: string) {}
+
+  static async start(target: number): Promise<CuttingProxy> {
+    let proxy: CuttingProxy | null = null;
+    const server = createServer((client) => {
+      if (Date.now() < proxy!.downUntil) return void client.destroy();
+      const upstream = createConnection(target, '127.0.0.1');
+      for (const sock of [client, upstream]) {
+        proxy!.live.add(sock);
+        sock.on('error', () => undefined);
+        sock.on('close', () => { proxy!.live.delete(sock); client.destroy(); upstream.destroy(); });
+      }
+      client.pipe(upstream);
+      upstream.pipe(client);
+    });
+    await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+    const { port } = server.address() as { port: number };
+    proxy = new CuttingProxy(server, `http://127.0.0.1:${port}`);
+    return proxy;
+  }
+
+  cut(downForMs = 0): void {
+    this.cuts++;
+    this.downUntil = Date.now() + downForMs;
+    for (const sock of this.live) sock.destroy();
+  }
+
+  close(): Promise<void> {
+    this.cut();
+    return new Promise((r) => this.server.close(() => r()));
+  }
 }

@@ -1,6 +1,7 @@
 /** `PagedServe`: the HTTP client (chat completions, completions, models, cancel) over fetch.
  * Retries 408/409/429/5xx and network errors with backoff (honouring Retry-After) before any
- * byte of a response reaches the caller; a stream already handed out is never retried. */
+ * byte of a response reaches the caller; a stream already handed out is never retried, but a
+ * resumable one (`resumable: true`) that breaks is resumed after its last event (streaming.ts). */
 import { APIConnectionError, APITimeoutError, APIUserAbortError, statusError } from './errors.js';
 import { retryDelayMs, shouldRetry, sleep } from './retry.js';
 import { Stream } from './streaming.js';
@@ -54,8 +55,22 @@ export class PagedServe {
     async create(path, params, options) {
         const { response, controller } = await this.request('POST', path, params, options);
         if (params.stream)
-            return new Stream(response, controller);
+            return new Stream(response, controller, this.resumer(response, options));
         return response.json();
+    }
+    /** How a resumable stream (one whose response named an `X-Stream-Id`) reopens and cancels. */
+    resumer(response, options) {
+        const streamId = response.headers.get('x-stream-id');
+        if (streamId === null)
+            return null;
+        const path = `/v1/streams/${encodeURIComponent(streamId)}`;
+        return {
+            streamId,
+            reopen: (lastEventId) => this.request('GET', path, undefined, {
+                ...options, headers: lastEventId ? { 'Last-Event-ID': lastEventId } : undefined,
+            }),
+            cancel: async () => { await (await this.request('DELETE', path, undefined)).response.arrayBuffer(); },
+        };
     }
     /** Send with retries; resolves to a 2xx response or rejects with a typed error. */
     async request(method, path, body, options = {}) {
@@ -64,6 +79,7 @@ export class PagedServe {
             headers['Content-Type'] = 'application/json';
         if (this.apiKey)
             headers.Authorization = `Bearer ${this.apiKey}`;
+        Object.assign(headers, options.headers);
         for (let attempt = 0;; attempt++) {
             const last = attempt >= this.maxRetries;
             const controller = new AbortController();

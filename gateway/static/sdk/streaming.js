@@ -1,16 +1,31 @@
 /** SSE responses as AsyncIterables of chunks; `break` or the AbortSignal drops the connection,
- * which the server turns into an abort of the request. */
+ * which the server turns into an abort of the request.
+ *
+ * A resumable stream (the response named an `X-Stream-Id`) that breaks is reopened with
+ * `GET /v1/streams/{id}` and `Last-Event-ID`: the server sends only the events after the last one
+ * read, so the text continues exactly once; leaving it early cancels it with `DELETE`. */
 import { APIConnectionError, APIUserAbortError, streamError } from './errors.js';
+import { retryDelayMs, sleep } from './retry.js';
 import { iterEvents } from './sse.js';
+/** Reconnects in a row that bring no new event before a resumable stream gives up. */
+export const MAX_RESUMES = 5;
 export class Stream {
     response;
     controller;
+    resumer;
     requestId;
+    streamId;
+    /** The last SSE id read (`<stream id>:<seq>` on a resumable stream). */
+    lastEventId = null;
+    /** Reconnects made after the connection dropped. */
+    resumes = 0;
     consumed = false;
-    constructor(response, controller) {
+    constructor(response, controller, resumer = null) {
         this.response = response;
         this.controller = controller;
+        this.resumer = resumer;
         this.requestId = response.headers.get('x-request-id');
+        this.streamId = resumer?.streamId ?? null;
     }
     /** Stop reading and cancel the request on the server. */
     abort() {
@@ -20,30 +35,67 @@ export class Stream {
         if (this.consumed)
             throw new Error('a Stream can be iterated only once');
         this.consumed = true;
-        if (!this.response.body)
-            throw new APIConnectionError('the response has no body');
         let finished = false;
+        let fruitless = 0;
         try {
-            for await (const event of iterEvents(this.response.body)) {
-                if (event.data === '[DONE]') {
-                    finished = true;
-                    return;
+            for (;;) {
+                let broke;
+                try {
+                    if (!this.response.body)
+                        throw new APIConnectionError('the response has no body');
+                    for await (const event of iterEvents(this.response.body)) {
+                        if (event.id !== null)
+                            this.lastEventId = event.id;
+                        fruitless = 0;
+                        if (event.data === '[DONE]') {
+                            finished = true;
+                            return;
+                        }
+                        yield this.decode(event.data, event.event);
+                    }
+                    if (!this.resumer)
+                        return; // NOTE: a plain stream that ends without [DONE] ends quietly
+                    broke = new APIConnectionError('stream ended before [DONE]');
                 }
-                yield this.decode(event.data, event.event);
+                catch (err) {
+                    if (this.controller.signal.aborted)
+                        throw new APIUserAbortError('request aborted', { cause: err });
+                    if (!(err instanceof TypeError || err?.name === 'AbortError'))
+                        throw err;
+                    broke = new APIConnectionError(`stream broke: ${err.message}`, { cause: err });
+                    if (!this.resumer)
+                        throw broke;
+                }
+                fruitless = await this.reopen(broke, fruitless);
+                this.resumes++;
             }
-        }
-        catch (err) {
-            if (this.controller.signal.aborted)
-                throw new APIUserAbortError('request aborted', { cause: err });
-            if (err instanceof TypeError || err?.name === 'AbortError') {
-                throw new APIConnectionError(`stream broke: ${err.message}`, { cause: err });
-            }
-            throw err;
         }
         finally {
-            // NOTE: on `break` or an error this drops the connection, which cancels on the server.
-            if (!finished)
+            // NOTE: on `break` or an error this drops the connection, which cancels on the server
+            // (a resumable stream outlives its connection, so it is cancelled by DELETE).
+            if (!finished) {
                 this.controller.abort();
+                void this.resumer?.cancel().catch(() => undefined);
+            }
+        }
+    }
+    /** Reopen after the last event read, with backoff; returns the reconnects without progress. */
+    async reopen(broke, fruitless) {
+        for (;;) {
+            if (fruitless >= MAX_RESUMES)
+                throw broke;
+            await sleep(retryDelayMs(fruitless++));
+            try {
+                const opened = await this.resumer.reopen(this.lastEventId);
+                this.response = opened.response;
+                this.controller = opened.controller;
+                return fruitless;
+            }
+            catch (err) {
+                if (!(err instanceof APIConnectionError))
+                    throw err; // e.g. 410 stream_expired
+                broke = err;
+            }
         }
     }
     decode(data, event) {

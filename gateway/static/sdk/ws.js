@@ -1,17 +1,25 @@
 /** WebSocket client for `/v1/ws` (subprotocol `pagedserve.v1`): many generations on one socket.
  * Uses the global WebSocket (browsers, Deno, Bun, Node >= 22) or the optional `ws` package (Node 20).
  * On close codes 1001/1011/1012/1013 it reconnects with backoff; generations running on the old
- * socket end with APIConnectionError, since the server aborted them when the socket closed. */
+ * socket end with APIConnectionError, since the server aborted them when the socket closed,
+ * except resumable ones (`resumable: true`): those are resumed on the new socket after their last
+ * delta (also after a plain network drop, code 1006). */
 import { APIConnectionError, streamError } from './errors.js';
 import { retryDelayMs, sleep } from './retry.js';
 import { chunkText } from './types.js';
 export const SUBPROTOCOL = 'pagedserve.v1';
 export const RECONNECT_CODES = new Set([1001, 1011, 1012, 1013]);
+/** A normal close and a policy refusal (bad key, origin): nothing to resume after them. */
+export const NO_RESUME_CODES = new Set([1000, 1008]);
 /** One generation's chunks as an AsyncIterable; `break` (or the signal) cancels it on the server. */
 export class Generation {
     id;
     client;
     requestId = null;
+    /** Set when the server made it resumable. */
+    streamId = null;
+    /** The last delta's seq: where a resume continues. */
+    lastSeq = -1;
     done = null;
     items = [];
     wake = null;
@@ -122,16 +130,23 @@ export class WebSocketClient {
         return ws;
     }
     async onClose(code) {
-        this.failAll(new APIConnectionError(`WebSocket closed (code ${code})`));
+        const reconnect = (this.options.reconnect ?? true) && !this.closing;
+        const resumable = reconnect && !NO_RESUME_CODES.has(code);
+        this.failAll(new APIConnectionError(`WebSocket closed (code ${code})`), resumable);
         if (this.closing)
             return;
-        if (!(this.options.reconnect ?? true) || !RECONNECT_CODES.has(code)) {
+        if (!reconnect || !(RECONNECT_CODES.has(code) || (resumable && this.generations.size > 0))) {
             this.socket = Promise.reject(new APIConnectionError(`WebSocket closed (code ${code})`));
             this.socket.catch(() => undefined);
             return;
         }
         this.socket = this.reconnect();
-        this.socket.catch(() => undefined);
+        this.socket.then((ws) => this.resumeAll(ws), (err) => this.failAll(err));
+    }
+    resumeAll(ws) {
+        for (const gen of this.generations.values()) {
+            ws.send(JSON.stringify({ type: 'resume', id: gen.id, stream_id: gen.streamId, after_seq: gen.lastSeq }));
+        }
     }
     async reconnect() {
         const attempts = this.options.maxReconnectAttempts ?? 5;
@@ -162,10 +177,14 @@ export class WebSocketClient {
         }
         if (!gen)
             return; // NOTE: pong, or a frame for a generation already ended
-        if (frame.type === 'generation.started')
+        if (frame.type === 'generation.started') {
             gen.requestId = frame.request_id ?? null;
-        else if (frame.type === 'generation.delta')
+            gen.streamId = frame.stream_id ?? null;
+        }
+        else if (frame.type === 'generation.delta') {
+            gen.lastSeq = frame.seq ?? gen.lastSeq;
             gen.push({ chunk: frame.chunk });
+        }
         else if (frame.type === 'generation.done') {
             gen.done = frame;
             this.end(gen, { done: gen.done });
@@ -177,9 +196,11 @@ export class WebSocketClient {
         this.generations.delete(gen.id);
         gen.push(item);
     }
-    failAll(error) {
-        for (const gen of [...this.generations.values()])
-            this.end(gen, { error });
+    failAll(error, keepResumable = false) {
+        for (const gen of [...this.generations.values()]) {
+            if (!(keepResumable && gen.streamId !== null))
+                this.end(gen, { error });
+        }
     }
 }
 async function loadWs() {
