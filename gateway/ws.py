@@ -284,7 +284,7 @@ class Session:
         try:
             if self.state is State.DRAINING:
                 raise ApiError(503, "the server is shutting down", "server_draining")
-            if gen_id in self.tasks:
+            if gen_id in self.tasks or gen_id in self.producing:
                 raise ApiError(400, f"generation `{gen_id}` is running", "duplicate_id", "id")
             if len(self.tasks) >= MAX_GENERATIONS_PER_SOCKET:
                 raise ApiError(429, "too many generations on this socket", "too_many_generations")

@@ -55,13 +55,14 @@ def _check_one_run(url: str, before: tuple[float, float, float], prompt_tokens: 
 
 
 def test_sync_stream_resumes_after_a_network_cut(url: str, proxy: CuttingProxy) -> None:
-    reference = _reference(url, 48)
+    # NOTE: long enough that events are still coming when the network is cut
+    reference = _reference(url, 300)
     wait_idle(url)
     before = _counters(url)
     texts, usage = [], None
     with ps.Client(proxy.url) as client:
         stream = client.chat.completions.create(**_params(
-            48, resumable=True, cache_salt=uuid.uuid4().hex,
+            300, resumable=True, cache_salt=uuid.uuid4().hex,
             stream_options={"include_usage": True}))
         with stream:
             for i, chunk in enumerate(stream):
@@ -72,14 +73,14 @@ def test_sync_stream_resumes_after_a_network_cut(url: str, proxy: CuttingProxy) 
     assert proxy.cuts == 1 and stream.resumes >= 1 and stream.stream_id
     assert "".join(texts) == reference and reference
     assert usage is not None
-    _check_one_run(url, before, usage.prompt_tokens, 48)
+    _check_one_run(url, before, usage.prompt_tokens, 300)
 
 
 async def test_async_stream_resumes_after_a_network_cut(url: str, proxy: CuttingProxy) -> None:
-    reference = _reference(url, 40)
+    reference = _reference(url, 300)
     texts = []
     async with ps.AsyncClient(proxy.url) as client:
-        stream = await client.chat.completions.create(**_params(40, resumable=True))
+        stream = await client.chat.completions.create(**_params(300, resumable=True))
         async with stream:
             i = 0
             async for chunk in stream:
@@ -120,9 +121,9 @@ def test_expired_stream_raises_a_typed_error(url: str, proxy: CuttingProxy) -> N
 
 async def test_websocket_client_resumes_after_a_network_cut(url: str,
                                                             proxy: CuttingProxy) -> None:
-    reference = _reference(url, 40)
+    reference = _reference(url, 300)
     async with ps.AsyncClient(proxy.url) as client, client.websocket() as ws:
-        gen = await ws.generate(**{k: v for k, v in _params(40, resumable=True).items()
+        gen = await ws.generate(**{k: v for k, v in _params(300, resumable=True).items()
                                    if k != "stream"})
         texts = []
         async for chunk in gen:

@@ -1,3 +1,4 @@
+import OpenAI from 'openai';
 import { afterEach, beforeEach, describe, expect, inject, it } from 'vitest';
 import { WebSocket } from 'ws';
 import * as ps from '../src/index.js';
@@ -29,13 +30,14 @@ describe('resumable streams survive a network cut', () => {
   afterEach(async () => { await proxy.close(); });
 
   it('an SSE stream resumes with Last-Event-ID: the same text, one prefill', async () => {
-    const expected = await reference(48);
+    // NOTE: long enough that events are still coming when the network is cut
+    const expected = await reference(300);
     expect(await waitIdle(baseURL)).toBe(0);
     const prompt0 = await counter(`vllm:prompt_tokens_total{${ENGINE}}`);
     const generated0 = await counter(`vllm:generation_tokens_total{${ENGINE}}`);
     const client = new ps.PagedServe({ baseURL: proxy.url });
     const stream = await client.chat.completions.create({
-      messages: MESSAGES, max_tokens: 48, temperature: 0, ignore_eos: true, stream: true,
+      messages: MESSAGES, max_tokens: 300, temperature: 0, ignore_eos: true, stream: true,
       resumable: true, cache_salt: `ts-${Date.now()}-${Math.random()}`,
       stream_options: { include_usage: true },
     });
@@ -51,11 +53,11 @@ describe('resumable streams survive a network cut', () => {
     expect([proxy.cuts, stream.resumes >= 1, stream.lastEventId?.startsWith(`${stream.streamId}:`)])
       .toEqual([1, true, true]);
     const deadline = Date.now() + 30_000;
-    while (await counter(`vllm:generation_tokens_total{${ENGINE}}`) < generated0 + 48 && Date.now() < deadline) {
+    while (await counter(`vllm:generation_tokens_total{${ENGINE}}`) < generated0 + 300 && Date.now() < deadline) {
       await new Promise((r) => setTimeout(r, 100));
     }
     expect(await counter(`vllm:prompt_tokens_total{${ENGINE}}`) - prompt0).toBe(usage?.prompt_tokens);
-    expect(await counter(`vllm:generation_tokens_total{${ENGINE}}`) - generated0).toBe(48);
+    expect(await counter(`vllm:generation_tokens_total{${ENGINE}}`) - generated0).toBe(300);
   });
 
   it('a WebSocket generation resumes on a new socket', async () => {
@@ -75,6 +77,18 @@ describe('resumable streams survive a network cut', () => {
     } finally {
       ws.close();
     }
+  });
+
+  it('the openai package reads a resumable stream (its id: lines)', async () => {
+    const expected = await reference(24);
+    const openai = new OpenAI({ baseURL: `${baseURL}/v1`, apiKey: 'sk-test' });
+    const stream = await openai.chat.completions.create({
+      model: 'tiny-llama', messages: MESSAGES, max_tokens: 24, temperature: 0, stream: true,
+      resumable: true, ignore_eos: true, // pagedserve's and vLLM's extra fields
+    } as OpenAI.ChatCompletionCreateParamsStreaming);
+    let text = '';
+    for await (const chunk of stream) text += chunk.choices[0]?.delta?.content ?? '';
+    expect(text).toBe(expected);
   });
 
   it('leaving a resumable stream early cancels it on the server', async () => {
