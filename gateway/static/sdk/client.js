@@ -1,4 +1,4 @@
-/** `PagedServe`: the HTTP client (chat completions, completions, models, cancel) over fetch.
+/** `PagedServe`: the HTTP client (chat completions, completions, responses, models, cancel) over fetch.
  * Retries 408/409/429/5xx and network errors with backoff (honouring Retry-After) before any
  * byte of a response reaches the caller; a stream already handed out is never retried, but a
  * resumable one (`resumable: true`) that breaks is resumed after its last event (streaming.ts). */
@@ -19,6 +19,13 @@ export class PagedServe {
     };
     completions = {
         create: ((params, options) => this.create('/v1/completions', params, options)),
+    };
+    /** POST /v1/responses (OpenAI's Responses API); GET and DELETE a stored response. */
+    responses = {
+        create: ((params, options) => this.create('/v1/responses', params, options)),
+        /** A stored response; a NotFoundError when it is not stored. */
+        retrieve: async (id, options) => (await this.request('GET', `/v1/responses/${encodeURIComponent(id)}`, undefined, options)).response.json(),
+        delete: async (id, options) => (await this.request('DELETE', `/v1/responses/${encodeURIComponent(id)}`, undefined, options)).response.json(),
     };
     models = {
         list: async (options) => (await this.request('GET', '/v1/models', undefined, options)).response.json(),

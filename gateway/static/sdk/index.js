@@ -6,3 +6,4 @@ export { Stream, MAX_RESUMES } from './streaming.js';
 export { retryDelayMs, shouldRetry } from './retry.js';
 export { Generation, WebSocketClient, RECONNECT_CODES, NO_RESUME_CODES, SUBPROTOCOL } from './ws.js';
 export * from './types.js';
+export * from './responses.js';

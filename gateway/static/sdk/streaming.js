@@ -53,8 +53,10 @@ export class Stream {
                         }
                         yield this.decode(event.data, event.event);
                     }
-                    if (!this.resumer)
-                        return; // NOTE: a plain stream that ends without [DONE] ends quietly
+                    if (!this.resumer) {
+                        finished = true; // NOTE: a plain stream may end with its body (Responses sends no [DONE])
+                        return;
+                    }
                     broke = new APIConnectionError('stream ended before [DONE]');
                 }
                 catch (err) {
