@@ -11,9 +11,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine import beam_search, spec_decode
+from engine import beam_search, grammar_budget, spec_decode
 from engine.deltas import beam_deltas, delta
-from engine import grammar_budget
 from engine.grammar_masks import GrammarMasks
 from engine.kv_manager import KVCacheManager, held
 from engine.plan_mirror import RunnerMirror

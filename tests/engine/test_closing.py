@@ -55,12 +55,13 @@ def test_random_prefixes_close_to_valid_documents(vocab, name: str) -> None:
     tok, closer, _ = vocab
     grammar, schema = _grammar(vocab, ALL[name]), ALL[name]
     rng = random.Random(name)
+    end = tok.token_to_id("<|im_end|>")
     for _ in range(12):
         m, walked = grammar.matcher(), []
         for _ in range(rng.randrange(0, 40)):
             if m.stopped or m.raw.is_accepting():
                 break
-            t = rng.choice([t for t in _allowed(m, closer.vocab_size) if t != tok.token_to_id("<|im_end|>")])
+            t = rng.choice([t for t in _allowed(m, closer.vocab_size) if t != end])
             assert m.accept(t)
             walked.append(t)
         path = m.closing_path(200)

@@ -73,3 +73,12 @@ def test_the_flag_off_cuts_the_same_replies(tiny_model_dir) -> None:
     outs = _outputs(off, 24, range(6))
     cut = [o for o in outs if not _valid(o.text)]
     assert len(cut) >= 3 and all(o.finish_reason == "length" for o in cut)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_replies_close_through_preemption(tiny_model_dir, mode: str) -> None:
+    small = LLM(str(tiny_model_dir), max_model_len=256, num_gpu_blocks=20, block_size=4,
+                preemption_mode=mode)
+    outs = _outputs(small, 30, range(6))
+    assert all(_valid(o.text) for o in outs), [o.text for o in outs]
+    assert small.engine.stats().num_preemptions > 0
