@@ -28,7 +28,9 @@ def forced_token(req: Request, max_model_len: int) -> int | None:
     the budget, so nothing is reserved and the reply may end open, as without closing)."""
     assert req.grammar is not None
     left = tokens_left(req, max_model_len)
-    path = req.grammar.closing_path(left)
+    done, path = req.closing_after
+    if done != req.num_output_tokens:  # NOTE: else `refuses` found it from this very state
+        path = req.grammar.closing_path(left)
     req.closing_length = None if path is None else len(path)
     if not path:
         return None
@@ -46,4 +48,6 @@ def refuses(req: Request, token: int, ends: Container[int], max_model_len: int) 
         return False
     left = tokens_left(req, max_model_len) - 1
     assert req.grammar is not None
-    return req.grammar.closing_path(left, after=token) is None
+    path = req.grammar.closing_path(left, after=token)
+    req.closing_after = (req.num_output_tokens + 1, path)
+    return path is None
