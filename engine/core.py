@@ -119,7 +119,8 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         self.grammars = GrammarCompiler(
             lambda: _lltokenizer(self.tokenizer_dir, vocab, self.eos_token_ids),
-            config.structured_output_compile_timeout)
+            config.structured_output_compile_timeout,
+            close_on_budget=config.structured_output_close_on_budget)
         self.block_bytes = block_bytes
         self.step_count = 0
         self._prompt_tokens = 0

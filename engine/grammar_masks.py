@@ -46,6 +46,13 @@ class GrammarMasks:
         return _mask(bitmask)
 
 
+    def only(self, token: int) -> GrammarMask:
+        """One row allowing `token` alone (a closing the budget forces)."""
+        bitmask = np.zeros((1, self.masker().words), dtype=np.int32)
+        bitmask.view(np.uint32)[0, token // 32] = 1 << (token % 32)
+        return _mask(bitmask)
+
+
 def _mask(bitmask: np.ndarray) -> GrammarMask:
     rows, words = bitmask.shape
     return GrammarMask(rows, words, np.ascontiguousarray(bitmask, dtype="<i4").tobytes())

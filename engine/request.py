@@ -94,6 +94,12 @@ class Request:
         # consumes every output token, so it survives preemption by swap and by recompute)
         self.pending_grammar: PendingGrammar | None = None
         self.grammar: Matcher | None = None
+        # budget closing (engine/grammar_budget.py): the closing's length from the last planned
+        # state (None: none fits), and whether the closing is being forced now
+        self.closing_length: int | None = None
+        self.closing_forced = False
+        # (output tokens, closing): the closing found from the state after that many outputs
+        self.closing_after: tuple[int, list[int] | None] = (-1, None)
         self.error: str | None = None  # with FINISHED_ERROR: why
         self.error_param: str | None = None  # and the request field at fault
         self.num_preemptions = 0

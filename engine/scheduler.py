@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine import beam_search, spec_decode
+from engine import beam_search, grammar_budget, spec_decode
 from engine.deltas import beam_deltas, delta
 from engine.grammar_masks import GrammarMasks
 from engine.kv_manager import KVCacheManager, held
@@ -312,6 +312,11 @@ class Scheduler:
         if plain:
             masks = self._masks.plain([r.grammar for r in plain])  # type: ignore[misc]
             plan.grammar_masks.update((r.key, m) for r, m in zip(plain, masks, strict=True))
+        for req in plain:
+            if grammar_budget.closes_on_budget(req):
+                token = grammar_budget.forced_token(req, self.config.max_model_len)
+                if token is not None:
+                    plan.grammar_masks[req.key] = self._masks.only(token)
         for req in with_drafts:
             assert req.grammar is not None
             plan.grammar_masks[req.key] = self._masks.with_drafts(req.grammar,
@@ -372,6 +377,8 @@ class Scheduler:
                 req.beam_candidates = [(t.token_id, t.logprob) for t in logprobs.top]
                 beam_groups.add(req.request_id)
                 continue
+            if self._refuse_for_closing(req, token):
+                continue
             if logprobs is not None:
                 req.cumulative_logprob += logprobs.logprob
             req.append_token(token)
@@ -383,6 +390,22 @@ class Scheduler:
         for rid in beam_groups:
             deltas += self._beam_step(rid)
         return deltas
+
+    def _refuse_for_closing(self, req: Request, token: int) -> bool:
+        """Budget closing: a token after which the grammar cannot close in time is dropped
+        and its position computed again, with the closing forced (engine/grammar_budget.py).
+
+        NOTE: the sampled token's K/V is not written yet (the next step would write it), so
+        the choice only steps back one computed position: its last token's K/V is written
+        again, with the values it has."""
+        if not grammar_budget.closes_on_budget(req):
+            return False
+        ends = {*self.eos_token_ids, *req.sampling.stop_token_ids}
+        if not grammar_budget.refuses(req, token, ends, self.config.max_model_len):
+            return False
+        req.num_computed_tokens -= 1
+        req.closing_forced = True
+        return True
 
     def num_prompt_tokens_in(self, plan: StepPlan) -> int:
         """Prompt tokens the plan computes (call before update)."""
@@ -535,4 +558,6 @@ def _can_speculate(req: Request) -> bool:
     return (s.n == 1 and not s.best_of and not s.use_beam_search and s.logprobs is None
             and not s.logit_bias
             and not (s.repetition_penalty != 1.0 or s.presence_penalty or s.frequency_penalty)
+            # NOTE: budget closing checks each token as it is sampled; drafts skip that check
+            and not grammar_budget.closes_on_budget(req)
             and req.num_output_tokens >= s.min_tokens and req.num_output_tokens > 0)

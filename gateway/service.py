@@ -19,6 +19,7 @@ from gateway.chunks import TokenNamer
 from gateway.errors import ApiError, unavailable
 from gateway.generation import EngineClientLike, Generation, Job
 from gateway.metrics import Metrics
+from gateway.prompt_text import prompt_text_sizes
 from gateway.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, to_sampling
 from gateway.reasoning import REASONING_PARSERS
 from gateway.reasoning.think import ThinkParser
@@ -316,29 +317,39 @@ class Gateway:
 
     async def chat_prompt_ids(self, request: Any, max_model_len: int | None = None
                               ) -> list[int]:
-        """The token ids of a conversation (chat completions and /tokenize); text too long
-        for `max_model_len` is refused before it is tokenized."""
-        messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
+        """The token ids of a conversation (chat completions and /tokenize). Every text the
+        template renders is counted first: too long for `max_model_len` is refused before it
+        is rendered, and long ones are rendered and tokenized off the event loop."""
         tok = self.tokenizer()
-        chars = sum(len(m["content"]) for m in messages)
+        tools = request.tools if isinstance(request, ChatCompletionRequest) else None
+        # NOTE: a per-request template's own text is written into the prompt too, and it is
+        # compiled where the prompt is rendered (off the loop when the total is long)
+        rendered = {name: getattr(request, name, None) for name in
+                    ("chat_template_kwargs", "documents", "reasoning_effort", "chat_template")}
+        sizes = prompt_text_sizes(request.messages, tools, rendered)
         if max_model_len is not None:
-            _check_text_length(chars, max_model_len, tok, "messages")
-        tools = None
+            _check_text_length(sizes, max_model_len, tok)
+        parser = self.call_syntax().parser
+        return await _off_loop(sum(sizes.values()), self._render_chat, request, tok, parser)
+
+    def _render_chat(self, request: Any, tok: Tokenizer, parser: str) -> list[int]:
         template = getattr(request, "chat_template", None)
+        kwargs = _template_kwargs(request, tok, template)
+        messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
+        tools = None
         if isinstance(request, ChatCompletionRequest):
             messages, tools = template_messages(request, messages, tok.reads("tools", template),
-                                                self.call_syntax().parser)
-        return await _off_loop(chars, tok.apply_chat_template, messages,
-                               request.add_generation_prompt, request.continue_final_message,
-                               _template_kwargs(request, tok, template),
-                               self.settings.split_special_tokens, tools, template,
-                               getattr(request, "add_special_tokens", False))
+                                                parser)
+        return tok.apply_chat_template(messages, request.add_generation_prompt,
+                                       request.continue_final_message, kwargs,
+                                       self.settings.split_special_tokens, tools, template,
+                                       getattr(request, "add_special_tokens", False))
 
     async def encode_prompt(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """The token ids of a completions prompt (completions and /tokenize); text too long
         for the engine's context is refused before it is tokenized."""
         tok = self.tokenizer()
-        _check_text_length(len(text), self.client.info.max_model_len, tok, "prompt")  # type: ignore[union-attr]
+        _check_text_length({"prompt": len(text)}, self.client.info.max_model_len, tok)  # type: ignore[union-attr]
         return await _off_loop(len(text), tok.encode, text, add_special_tokens,
                                self.settings.split_special_tokens)
 
@@ -387,18 +398,24 @@ _OFF_LOOP_CHARS = 16_384
 
 
 async def _off_loop(chars: int, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+    """`fn(*args)` here for short texts, on a thread for long ones (chat: the template's
+    rendering too, which for a huge tool schema took seconds)."""
     if chars < _OFF_LOOP_CHARS:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
 
 
-def _check_text_length(chars: int, max_model_len: int, tok: Tokenizer, param: str) -> None:
-    """Refuse, before tokenizing, text that cannot fit: no token is longer than the
-    vocabulary's longest, so more than max_model_len times that many characters is too long."""
+def _check_text_length(sizes: dict[str, int], max_model_len: int, tok: Tokenizer) -> None:
+    """Refuse, before rendering or tokenizing, text that cannot fit: no token is longer than
+    the vocabulary's longest, so more than max_model_len times that many characters (in all
+    the fields `sizes` counts) is too long. The error names the field that brings the most."""
+    chars = sum(sizes.values())
     limit = max_model_len * tok.max_token_chars
     if chars > limit:
-        raise ApiError(400, f"the prompt has {chars} characters; at most {limit} can fit in "
-                       f"this model's context of {max_model_len} tokens",
+        param = max(sizes, key=sizes.__getitem__)
+        detail = f" ({param}: {sizes[param]})" if len(sizes) > 1 else ""
+        raise ApiError(400, f"the prompt has {chars} characters{detail}; at most {limit} can "
+                       f"fit in this model's context of {max_model_len} tokens",
                        "context_length_exceeded", param)
 
 

@@ -123,6 +123,11 @@ class EngineConfig:
                                "structured_outputs) may take to compile before its request "
                                "fails with a 400"}
     )
+    structured_output_close_on_budget: bool = field(
+        default=True, metadata={"help": "a reply with a grammar (JSON, tool calls) keeps room "
+                                "in max_tokens for the tokens that close it, so it ends "
+                                "valid whenever a closing fits"}
+    )
     quantization: str = field(
         default="auto", metadata={"help": "weights kept quantized on the CPU: gguf (a GGUF's "
                                           "own blocks), int8 (a dense checkpoint quantized at "

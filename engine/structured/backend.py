@@ -10,6 +10,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
+from engine.structured.closing import Closer, Nesting
 from engine.structured.errors import GrammarError
 from ipc.sampling import StructuredOutputs
 
@@ -66,13 +67,34 @@ def json_options(whitespace_pattern: str | None = None) -> dict:
 
 
 class Matcher:
-    """One choice's position in its grammar; mirrors the choice's output tokens."""
+    """One choice's position in its grammar; mirrors the choice's output tokens. With a
+    Closer it also tracks the text's JSON nesting, for `closing_path`."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, closer: Closer | None = None,
+                 nestings: list[Nesting] | None = None) -> None:
         self._m = matcher
+        self._closer = closer
+        self._nestings = nestings or [Nesting()]  # [i]: after the first i tokens
 
     def fork(self) -> Matcher:
-        return Matcher(self._m.deep_copy())
+        return Matcher(self._m.deep_copy(), self._closer, list(self._nestings))
+
+    @property
+    def closes_on_budget(self) -> bool:
+        return self._closer is not None
+
+    def closing_path(self, limit: int, after: int | None = None) -> list[int] | None:
+        """A completion the grammar accepts, of at most `limit` tokens, from here (or from
+        after the token `after`); None if none is found (or no Closer)."""
+        if self._closer is None:
+            return None
+        nesting = self._nestings[-1]
+        if after is None:
+            return self._closer.path(self._m, nesting, limit)
+        m = self._m.deep_copy()
+        if not m.consume_token(after):
+            return None
+        return self._closer.path(m, nesting.feed(self._closer.token_bytes(after)), limit)
 
     @property
     def raw(self) -> llguidance.LLMatcher:
@@ -80,11 +102,16 @@ class Matcher:
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (and an error state) if the grammar refuses it."""
-        return self._m.consume_token(token_id)
+        ok = self._m.consume_token(token_id)
+        if ok and self._closer is not None:
+            self._nestings.append(self._nestings[-1].feed(self._closer.token_bytes(token_id)))
+        return ok
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             assert self._m.rollback(num_tokens), self._m.get_error()
+            if self._closer is not None:
+                del self._nestings[-num_tokens:]
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading tokens the grammar would take from here (nothing is consumed)."""
@@ -106,14 +133,17 @@ class Matcher:
 class Grammar:
     """A compiled grammar: a matcher at its start, forked for each request that uses it."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, text: str, param: str) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, text: str, param: str,
+                 closer: Closer | None = None) -> None:
+        """closer: the budget-closing search its matchers use (None: they never close)."""
         matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid grammar: {matcher.get_error()}", param)
         self._start = matcher
+        self._closer = closer
 
     def matcher(self) -> Matcher:
-        return Matcher(self._start.deep_copy())
+        return Matcher(self._start.deep_copy(), self._closer)
 
 
 class Masker:

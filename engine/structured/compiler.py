@@ -90,9 +90,13 @@ class GrammarCompiler:
     """
 
     def __init__(self, make_tokenizer: Callable[[], Any], timeout: float,
-                 cache_size: int = 256, workers: int = 2) -> None:
+                 cache_size: int = 256, workers: int = 2, close_on_budget: bool = True) -> None:
+        """close_on_budget: grammars' matchers close within their request's max_tokens
+        (engine/grammar_budget.py); off, a reply cut by max_tokens may end inside the JSON."""
         self._make_tokenizer = make_tokenizer
         self._tokenizer: Any = None  # llguidance.LLTokenizer, built on the first compile
+        self._close_on_budget = close_on_budget
+        self._closer: Any = None  # closing.Closer over that tokenizer, built with it
         self._tokenizer_lock = threading.Lock()
         self._timeout = timeout
         self._cache: OrderedDict[tuple, _Compile] = OrderedDict()
@@ -119,6 +123,10 @@ class GrammarCompiler:
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._tokenizer = self._make_tokenizer()
+                if self._close_on_budget:
+                    from engine.structured.closing import Closer  # NOTE: llguidance, lazily
+
+                    self._closer = Closer(self._tokenizer)
             return self._tokenizer
 
     def shutdown(self) -> None:
@@ -130,7 +138,7 @@ class GrammarCompiler:
         try:
             tokenizer = self.tokenizer()
             job.started = time.monotonic()
-            grammar = Grammar(tokenizer, grammar_text(job.spec), job.spec.param)
+            grammar = Grammar(tokenizer, grammar_text(job.spec), job.spec.param, self._closer)
         except Exception as exc:  # NOTE: any failure is the request's, reported by poll()
             job.future.set_exception(exc)
             return
