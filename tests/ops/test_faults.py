@@ -106,19 +106,25 @@ async def test_200_clients_give_up_then_one_succeeds(server: Server) -> None:
         await asyncio.sleep(0.2)
 
 
-async def _poll_metric(url: str, name: str, want: float, timeout: float = 60) -> None:
+async def _poll_metric(url: str, name: str, want: float, holders: list[asyncio.Task],
+                       timeout: float = 60) -> None:
+    """Poll a gauge (off the loop, which carries the requests) until it reads `want`, while
+    the held streams still hold their seats."""
     deadline = time.monotonic() + timeout
-    while (value := metric(url, name)) != want:
+    while (value := await asyncio.to_thread(metric, url, name)) != want:
+        assert not any(h.done() for h in holders), f"a held stream ended with {name} {value}"
         assert time.monotonic() < deadline, f"{name} stayed {value}, not {want}"
         await asyncio.sleep(0.05)
 
 
 async def _hold(http: httpx.AsyncClient) -> None:
-    """A stream that runs to the context's end unless cancelled (it keeps one engine seat)."""
+    """A stream that runs to the context's end unless cancelled (it keeps one engine seat).
+    NOTE: read as raw bytes, not parsed into lines: on a loaded machine the parsing of two
+    floods of chunks starved the requests under test on this loop."""
     async with http.stream("POST", "/v1/chat/completions", json={
             **body(4000, True), "ignore_eos": True}) as r:
         assert r.status_code == 200
-        async for _ in r.aiter_lines():
+        async for _ in r.aiter_raw():
             pass
 
 
@@ -136,10 +142,10 @@ async def test_overload_is_refused_and_memory_stays_bounded(tmp_path: Path) -> N
             rss = []
             for _ in range(3):
                 holders = [asyncio.create_task(_hold(http)) for _ in range(2)]
-                await _poll_metric(server.url, "pagedserve_requests_running", 2)
+                await _poll_metric(server.url, "pagedserve_requests_running", 2, holders)
                 queued = [asyncio.create_task(http.post("/v1/chat/completions", json=body(32)))
                           for _ in range(4)]
-                await _poll_metric(server.url, "pagedserve_requests_waiting", 4)
+                await _poll_metric(server.url, "pagedserve_requests_waiting", 4, holders)
                 replies = await asyncio.gather(
                     *(http.post("/v1/chat/completions", json=body(32)) for _ in range(40)))
                 statuses = [r.status_code for r in replies]
