@@ -5,7 +5,9 @@ summary table. `--device cpu` runs every step that is not GPU-only (CI does, wit
 
     python -m bench.gpu_check --device cuda [--model PATH] [--batch-sizes 1,8,64]
 
-A step whose means are missing (a package, the bundled model, a GPU) reports "skipped (why)".
+A step whose means are missing (the bundled model, a GPU) reports "skipped (why)"; a kernel
+backend that should exist here (triton with CUDA, flash_attn once installed) and does not import
+fails, and so do greedy divergences (from HF, and GPU from CPU) that are not near-ties.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import gc
 import importlib.util
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -30,7 +33,7 @@ PARITY_TEXT = ("The history of the printing press begins in the fifteenth centur
                "uses for cheap books. ")
 _NEAR_TIE = 1e-3
 _MIN_STEP_S = 10.0  # a step is not started with less of the budget left
-_KERNEL_BACKENDS = {"cuda": "torch,triton,flash_attn", "cpu": "torch,cpu"}
+_KERNEL_BACKENDS = {"cuda": ("torch", "triton", "flash_attn"), "cpu": ("torch", "cpu")}
 
 
 class Skipped(Exception):  # noqa: N818 (a step's outcome, not an error)
@@ -114,15 +117,35 @@ def print_table(rows: list[Row], device: str) -> None:
 
 # ---- steps -----------------------------------------------------------------------------------
 
+def expected_backends(device: str) -> tuple[list[str], list[str]]:
+    """(the kernel backends that must import on `device`, those not required and not tried).
+    NOTE: CUDA torch brings triton, so with CUDA it must import; flash_attn is a source build
+    that the lent GPU machine lacks: required only where its package is installed. The C
+    kernels (cpu) must build on x86-64 Linux, as tests/c_build.py requires; elsewhere they may
+    not."""
+    c_build_required = sys.platform.startswith("linux") and platform.machine() == "x86_64"
+    want, absent = [], []
+    for backend in _KERNEL_BACKENDS[device]:
+        if ((backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None)
+                or (backend == "cpu" and not c_build_required)):
+            absent.append(backend)
+        else:
+            want.append(backend)
+    return want, absent
+
+
 def step_kernels(args: argparse.Namespace) -> str:
     """Every attention backend against float64 (tests/kernels/kernel_cases.py)."""
     _require_device(args)
+    want, absent = expected_backends(args.device)
     out = _subprocess([sys.executable, "tests/kernels/kernel_cases.py", "--device", args.device,
-                       "--backends", _KERNEL_BACKENDS[args.device]], _step_timeout(args))
+                       "--backends", ",".join(want)], _step_timeout(args))
+    failed = [line for line in out.splitlines() if line.startswith("skip ")]
+    if failed:
+        raise AssertionError("backend(s) that should exist here did not import: " +
+                             "; ".join(line[5:] for line in failed))
     last = out.strip().splitlines()[-1]
-    skipped = [line for line in out.splitlines() if line.startswith("skip ")]
-    return last + (f"; {len(skipped)} backend(s) absent: " +
-                   ", ".join(s.split(":")[0][5:] for s in skipped) if skipped else "")
+    return last + (f"; not required here: {', '.join(absent)}" if absent else "")
 
 
 def step_attention(args: argparse.Namespace) -> str:
@@ -130,20 +153,23 @@ def step_attention(args: argparse.Namespace) -> str:
         raise Skipped("GPU-only: decode/prefill timings against copy bandwidth and matmul rate")
     _require_device(args)
     out = _subprocess([sys.executable, "-m", "bench.attention", "--device", "cuda", "--backends",
-                       _KERNEL_BACKENDS["cuda"]], _step_timeout(args))
+                       ",".join(expected_backends("cuda")[0])], _step_timeout(args))
     print(out)
     return "timings printed above"
 
 
 def step_parity(args: argparse.Namespace) -> str:
     """Greedy tokens of the engine on the device (float32) against HF transformers on the same
-    device, and against the engine on the CPU (pure torch path)."""
+    device, and against the engine on the CPU (pure torch path): every first difference from
+    either must be a near-tie by HF's log-probs (within 1e-3)."""
     source = _source(args)
     prompts = _parity_prompts(source, args.parity_prompts)
     ours, backend = _engine_greedy(source, args, args.device, prompts)
     hf, hf_logprobs = _hf_greedy(source, args.device, prompts, args.max_new)
     cpu = ours if args.device == "cpu" else _engine_greedy(source, args, "cpu", prompts)[0]
     real = _real_divergences(ours, hf, hf_logprobs)
+    if args.device != "cpu":
+        real += [f"CPU {r}" for r in cpu_divergences(ours, cpu, hf, hf_logprobs)]
     detail = [f"{backend}, float32; vs HF on {args.device}: {_agreement(ours, hf)}"]
     if args.device != "cpu":
         detail.append(f"vs CPU engine: {_agreement(ours, cpu)}")
@@ -321,6 +347,31 @@ def _real_divergences(ours: list[list[int]], hf: list[list[int]], logprobs) -> l
         if gap > _NEAR_TIE:
             real.append(f"prompt {k} token {i} (HF log-prob gap {gap:.2g})")
     return real
+
+
+def cpu_divergences(ours: list[list[int]], cpu: list[list[int]], hf: list[list[int]],
+                    logprobs) -> list[str]:
+    """First differences of the device engine from the CPU engine that are not near-ties by
+    HF's log-probs. Judged only where the device output still follows HF's (else HF's log-probs
+    are of another context: the device took a near-tie branch, which _real_divergences checks)."""
+    real = []
+    for k, (a, c, h) in enumerate(zip(ours, cpu, hf, strict=True)):
+        i = _first_difference(a, c)
+        if i is None:
+            if len(a) != len(c):
+                real.append(f"prompt {k}: {len(a)} tokens, CPU {len(c)}")
+            continue
+        j = _first_difference(a, h)
+        if (j is not None and j < i) or i >= len(logprobs[k]):
+            continue
+        gap = abs(float(logprobs[k][i][a[i]] - logprobs[k][i][c[i]]))
+        if gap > _NEAR_TIE:
+            real.append(f"prompt {k} token {i} (HF log-prob gap {gap:.2g})")
+    return real
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
 def _agreement(ours: list[list[int]], ref: list[list[int]]) -> str:

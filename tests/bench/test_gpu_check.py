@@ -1,6 +1,8 @@
 """bench.gpu_check's steps on --device cpu with tiny sizes (CI has no GPU): kernel tests, greedy
 parity against HF transformers, `pagedserve serve` with one openai-client stream, throughput;
-and on a machine without CUDA every step of --device cuda reports skipped, none crashes.
+on a machine without CUDA every step of --device cuda reports skipped, none crashes; a backend
+that should exist and does not import fails the kernels step; GPU-vs-CPU divergences that are
+not near-ties fail parity.
 """
 
 from __future__ import annotations
@@ -59,3 +61,42 @@ def test_a_spent_budget_skips_the_remaining_steps(capsys) -> None:
     table = _table(capsys.readouterr().out)
     assert {s for s, _ in table.values()} == {"skipped"}
     assert all("budget is spent" in detail for _, detail in table.values())
+
+
+def test_a_backend_that_should_exist_and_does_not_import_fails(monkeypatch) -> None:
+    import argparse
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
+                        lambda name: None if name == "flash_attn" else object())
+    assert gpu_check.expected_backends("cuda") == (["torch", "triton"], ["flash_attn"])
+    seen: list[list[str]] = []
+
+    def kernel_cases(cmd: list[str], timeout: float) -> str:
+        seen.append(cmd)
+        return ("torch: done in 1.0s\nskip triton: attention backend 'triton' cannot be used "
+                "here: No module named 'triton'\n40 passed, 0 failed\n")
+
+    monkeypatch.setattr(gpu_check, "_subprocess", kernel_cases)
+    args = argparse.Namespace(device="cuda", step_timeout=10.0, deadline=1e18)
+    with pytest.raises(AssertionError, match="triton"):
+        gpu_check.step_kernels(args)
+    assert seen[0][seen[0].index("--backends") + 1] == "torch,triton"  # flash_attn not tried
+    row = gpu_check._run_step("kernels", gpu_check.step_kernels, args)
+    assert row.status == "FAIL" and "triton" in row.detail
+
+
+def test_a_gpu_cpu_divergence_that_is_not_a_near_tie_fails() -> None:
+    import torch
+
+    logprobs = [[torch.tensor([-0.1, -5.0, -0.1005])] * 2]
+    hf = [[0, 0]]
+    assert gpu_check.cpu_divergences([[0, 0]], [[0, 1]], hf, logprobs) == [
+        "prompt 0 token 1 (HF log-prob gap 4.9)"]
+    assert gpu_check.cpu_divergences([[0, 0]], [[0, 2]], hf, logprobs) == []  # a near-tie
+    assert gpu_check.cpu_divergences([[0, 0]], [[0, 0, 1]], hf, logprobs) == [
+        "prompt 0: 2 tokens, CPU 3"]
+    # the device left HF's output first (a near-tie, judged against HF): not judged again
+    assert gpu_check.cpu_divergences([[2, 0]], [[2, 1]], hf, logprobs) == []

@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import tokenizers
 
+# NOTE: a plain import, not importorskip: `make test` installs the engine, so an ImportError
+# in it must fail these tests, not skip them
+import engine.core  # noqa: F401
 from gateway.engine_client import EngineClient, RequestStream
 from ipc.config import EngineConfig
 from ipc.messages import AddRequest, TokenDelta
 from ipc.sampling import SamplingParams
 
-pytest.importorskip("engine.core")
 pytestmark = pytest.mark.timeout(180)
 
 

@@ -24,6 +24,10 @@ from gateway.tracing import traces_url
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+# NOTE: the first request loads the tokenizer and renders the chat template on the loop that
+# also serves the collector and this client: on a loaded machine that took more than httpx's
+# default 5 s. Every wait here is explicit and generous instead.
+WAIT_S = 60.0
 
 
 def collector(received: list[ExportTraceServiceRequest]) -> Starlette:
@@ -49,7 +53,7 @@ async def test_one_span_per_request_with_timeline_and_parent(fake_engine: FakeEn
     received: list[ExportTraceServiceRequest] = []
     async with serve(collector(received)) as otlp:
         app = build_app(fake_engine, GatewaySettings(otlp_traces_endpoint=otlp))
-        async with serve(app) as url, httpx.AsyncClient(base_url=url) as http:
+        async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=WAIT_S) as http:
             reply = (await http.post("/v1/chat/completions", json=CHAT,
                                      headers={"traceparent": TRACEPARENT})).json()
             streamed = await http.post("/v1/completions",
@@ -57,12 +61,13 @@ async def test_one_span_per_request_with_timeline_and_parent(fake_engine: FakeEn
             assert streamed.status_code == 200
             ws_url = url.replace("http://", "ws://") + "/v1/ws"
             async with websockets.connect(ws_url, subprotocols=["pagedserve.v1"]) as ws:
-                await ws.recv()  # session.created
+                await asyncio.wait_for(ws.recv(), WAIT_S)  # session.created
                 await ws.send(json.dumps({"type": "generate", "id": "g", "request": CHAT}))
-                while json.loads(await ws.recv())["type"] != "generation.done":
+                while json.loads(await asyncio.wait_for(ws.recv(), WAIT_S))["type"] != (
+                        "generation.done"):
                     pass
             tracer = app.state.gateway.tracer
-            assert await asyncio.to_thread(tracer.flush)
+            assert await asyncio.to_thread(tracer.flush, WAIT_S)
     spans = [s for r in received for rs in r.resource_spans for ss in rs.scope_spans
              for s in ss.spans]
     assert len(spans) == 3 and {s.name for s in spans} == {"llm_request"}

@@ -9,13 +9,24 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing
+import platform
 from concurrent.futures import ProcessPoolExecutor
 
 import kernel_cases as kc
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+# NOTE: the test extra installs triton on x86-64 Linux: there a missing triton fails (the
+# test below); elsewhere it is not provided and these tests skip
+PROVIDED = platform.system() == "Linux" and platform.machine() == "x86_64"
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None and not PROVIDED,
                                 reason="triton is not installed (pip install '.[test]')")
+
+
+def test_triton_is_installed_where_the_test_extra_provides_it() -> None:
+    assert importlib.util.find_spec("triton") is not None, (
+        "triton is missing: the test extra installs it on x86-64 Linux (pip install -e '.[test]')")
+
+
 CASE_TIMEOUT_S = 120
 
 

@@ -59,3 +59,15 @@ export class CuttingProxy {
     return new Promise((r) => this.server.close(() => r()));
   }
 }
+
+/** Polls a gauge until it reads `want` (the engine's stats reach the gateway with its next
+ * outputs or heartbeat, so a first chunk can arrive before they move); returns the last value. */
+export async function waitMetric(baseURL: string, name: string, want: number, timeoutMs = 30000): Promise<number> {
+  const deadline = Date.now() + timeoutMs;
+  let value = await metric(baseURL, name);
+  while (value !== want && Date.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 50));
+    value = await metric(baseURL, name);
+  }
+  return value;
+}
