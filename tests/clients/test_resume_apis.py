@@ -49,12 +49,14 @@ class Event:
     fields: list[str] = field(default_factory=list)  # its lines' field names, in order
 
 
-def read_events(response: httpx.Response, stop_after: int | None = None) -> list[Event]:
+def read_events(source: httpx.Response | Iterator[str], stop_after: int | None = None
+                ) -> list[Event]:
     """The SSE events of a response (comments skipped); with `stop_after`, return after that
-    many (leaving the caller's stream context then drops the connection mid-stream)."""
+    many (leaving the caller's stream context then drops the connection mid-stream). Pass the
+    same `iter_lines()` to read one response in several parts."""
     out: list[Event] = []
     lines: list[str] = []
-    for line in response.iter_lines():
+    for line in source.iter_lines() if isinstance(source, httpx.Response) else source:
         if line.startswith(":"):
             continue
         if line:
@@ -245,3 +247,20 @@ def test_anthropic_sdk_parses_a_resumable_stream(url: str, no_eos: dict[str, flo
         final = stream.get_final_message()
     assert text == reference and final.content[0].text == reference
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 24
+
+
+def test_delete_cancels_each_route_with_one_terminal_event(url: str,
+                                                           no_eos: dict[str, float]) -> None:
+    for path, body, end in (("/v1/responses", _responses_body(4000), "response.failed"),
+                            ("/v1/messages", _messages_body(4000, no_eos), "error")):
+        with httpx.Client(timeout=60) as client, \
+                client.stream("POST", f"{url}{path}", json=body) as live:
+            stream_id, lines = live.headers["x-stream-id"], live.iter_lines()
+            seen = read_events(lines, stop_after=3)
+            cancelled = client.delete(f"{url}/v1/streams/{stream_id}")
+            assert cancelled.json()["cancelled"] is True
+            seen += read_events(lines)  # the live reader sees it end, far short of 4000 tokens
+        ends = RESPONSES_END if path == "/v1/responses" else MESSAGES_END
+        assert [e.event for e in seen if e.event in ends] == [end] and seen[-1].event == end
+        assert wait_idle(url, 30) == 0
+    assert seen[-1].data["error"]["type"] == "api_error"  # Anthropic's shape, not OpenAI's
