@@ -133,6 +133,9 @@ REQUEST_ID = {"X-Request-Id": {"description": "the request's id (cancel it by th
                                "required": True, "schema": {"type": "string"}}}
 
 
+EVENT_ID = {"type": "string", "description": "`<stream id>:<seq>` on a resumable stream"}
+
+
 def _events(chunk: Schema) -> Schema:
     """One server-sent event: `data:` holds a chunk, a mid-stream error, or the final `[DONE]`.
 
@@ -144,7 +147,7 @@ def _events(chunk: Schema) -> Schema:
     return {"type": "object", "required": ["data"], "properties": {
         "data": {"type": "string", "if": {"const": "[DONE]"}, "else": payload},
         "event": {"type": "string"},
-        "id": {"type": "string", "description": "`<stream id>:<seq>` on a resumable stream"},
+        "id": EVENT_ID,
     }}
 
 
@@ -239,7 +242,7 @@ def _responses(refs: dict[str, Schema]) -> dict[str, Schema]:
     event = {"type": "object", "required": ["data", "event"], "properties": {
         "data": {"type": "string", "contentMediaType": "application/json",
                  "contentSchema": refs["ResponseEvent"]},
-        "event": {"type": "string"}}}
+        "event": {"type": "string"}, "id": EVENT_ID}}
     ok = {"description": "a response; with `stream: true`, server-sent events from "
                          "response.created to one of response.completed / .incomplete / .failed",
           "headers": REQUEST_ID,
@@ -284,7 +287,7 @@ def _messages(refs: dict[str, Schema], components: dict[str, Schema]) -> dict[st
     payload = {"contentMediaType": "application/json",
                "contentSchema": {"anyOf": [events, refs["AnthropicError"]]}}
     stream = {"type": "object", "required": ["event", "data"], "properties": {
-        "event": {"type": "string"}, "data": {"type": "string", **payload}}}
+        "event": {"type": "string"}, "data": {"type": "string", **payload}, "id": EVENT_ID}}
     ok = {"description": "a message; with `stream: true`, Anthropic's server-sent events "
                          "(message_start ... message_stop, or an `error` event)",
           "headers": REQUEST_ID,

@@ -20,6 +20,9 @@ from gateway.streaming import EventStreamResponse
 
 KIND = "sse"
 PING = b": ping\n\n"
+# NOTE: a route's keep-alives (SSE comments, Anthropic's `ping` event) are not buffered: each
+# reader sends its own comment (see _read)
+KEEPALIVES = (b":", b"event: ping\n")
 
 
 def wants_resumable(field: bool | None, server_default: bool, stream: bool) -> bool:
@@ -38,18 +41,26 @@ def owner_of(headers: Headers) -> bytes:
     return owner_digest(headers.get("x-api-key", "").strip() or None)
 
 
+def openai_error_event(exc: ApiError) -> bytes:
+    return b"data: " + msgspec.json.encode(exc.envelope()) + b"\n\n"
+
+
 def resumable_sse(registry: StreamRegistry, events: AsyncIterator[bytes], headers: Headers,
                   cancel: Callable[[], None], on_disconnect: Callable[[], None],
-                  response_headers: dict[str, str], tick: float | None) -> Response:
+                  response_headers: dict[str, str], tick: float | None,
+                  error_event: Callable[[ApiError], bytes] = openai_error_event) -> Response:
     """A route's SSE `events` as a resumable stream: they are produced on their own task (a
     dropped connection no longer ends them) and this response is the stream's first reader.
-    `cancel` aborts the generation (DELETE /v1/streams/{id}, and the cancel route)."""
+    Each event gets an `id:` line before its own (`event:` and `data:` lines stay as they
+    are); the stream ends when `events` does (its `[DONE]` or the route's terminal event).
+    `cancel` aborts the generation (DELETE /v1/streams/{id}, and the cancel route);
+    `error_event` writes a reader's error (fell behind its buffer) in the route's shape."""
 
     async def produce(stream: ResumableStream) -> None:
         try:
             async for event in events:
-                if event.startswith(b":"):
-                    continue  # NOTE: keep-alive comments are each reader's own (see follow)
+                if event.startswith(KEEPALIVES):
+                    continue
                 event = f"id: {stream.id}:{stream.next_seq}\n".encode() + event
                 stream.append(event, len(event))
         finally:
@@ -57,6 +68,7 @@ def resumable_sse(registry: StreamRegistry, events: AsyncIterator[bytes], header
 
     stream = registry.open(KIND, owner_of(headers), produce, cancel)
     stream.meta["headers"] = {**response_headers, "X-Stream-Id": stream.id}
+    stream.meta["error_event"] = error_event
     return EventStreamResponse(_read(stream, -1, tick), on_disconnect, stream.meta["headers"])
 
 
@@ -65,7 +77,7 @@ async def _read(stream: ResumableStream, after: int, tick: float | None) -> Asyn
         async for item in stream.follow(after, tick):
             yield PING if item is None else item[1]
     except ApiError as exc:  # NOTE: this reader fell behind what the buffer keeps
-        yield b"data: " + msgspec.json.encode(exc.envelope()) + b"\n\n"
+        yield stream.meta["error_event"](exc)
 
 
 class StreamRoutes:

@@ -32,6 +32,7 @@ from gateway.body import read_body
 from gateway.choice_events import ChoiceEvents
 from gateway.errors import ApiError
 from gateway.generation import Generation, Piece, piece_error
+from gateway.resumable_sse import resumable_sse, wants_resumable
 from gateway.service import Gateway
 from gateway.streaming import DisconnectAwareResponse, EventStreamResponse
 from gateway.structured import structured_for
@@ -81,6 +82,8 @@ class MessagesApi:
         try:
             body = await read_body(request, gw.settings.max_body_bytes, gw.settings.body_timeout)
             parsed: MessagesRequest = decode_messages(body, MessagesRequest)
+            resumable = wants_resumable(parsed.resumable, gw.settings.resumable_streams,
+                                        parsed.stream)
             job = await gw.prepare(to_chat(parsed))
             if isinstance(parsed.thinking, ThinkingEnabled) and job.reasoning_parser is None:
                 raise ApiError(400, "thinking needs a server that splits reasoning from the "
@@ -107,7 +110,12 @@ class MessagesApi:
                 await self._close(gen)
                 return anthropic_error_response(piece_error(piece))
             first.append(piece)
-        return EventStreamResponse(self._events(gen, first, pieces), disconnected, headers)
+        events = self._events(gen, first, pieces)
+        if resumable:
+            return resumable_sse(gw.streams, events, request.headers,
+                                 lambda: gw.cancel(job.request_id), disconnected, headers,
+                                 gw.settings.sse_keepalive_interval, sse_error)
+        return EventStreamResponse(events, disconnected, headers)
 
     async def _reply(self, gen: Generation, headers: dict[str, str]) -> Response:
         blocks, choice = Blocks(), ChoiceEvents(gen.job)

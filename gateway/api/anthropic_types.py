@@ -164,6 +164,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     # string) -> a bias added to its logit
     seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     logit_bias: dict[str, float] | None = None
+    # a stream that survives a dropped connection (None: --resumable-streams; docs/resume.md)
+    resumable: bool | None = None
     # accepted, and change nothing here
     service_tier: str | None = None
     inference_geo: str | None = None

@@ -33,6 +33,7 @@ from gateway.body import read_body
 from gateway.errors import ApiError
 from gateway.generation import Generation, Job, Piece, piece_error
 from gateway.protocol import ChatMessage, FunctionCall, ToolCall, check_request, decode_body
+from gateway.resumable_sse import resumable_sse, wants_resumable
 from gateway.service import Gateway
 from gateway.streaming import PING, DisconnectAwareResponse, EventStreamResponse
 from gateway.tracing import trace_headers
@@ -54,6 +55,8 @@ class ResponsesRoutes:
             parsed: ResponsesRequest = decode_body(body, ResponsesRequest)
             check_refused(body)
             check_declared(parsed)
+            resumable = wants_resumable(parsed.resumable, settings.resumable_streams,
+                                        parsed.stream)
             response_id = f"resp_{uuid.uuid4().hex}"
             chat, conversation = to_chat(parsed, self._history(parsed.previous_response_id),
                                          response_id)
@@ -86,8 +89,12 @@ class ResponsesRoutes:
                 await self._close(gen)
                 return _renamed(piece_error(piece)).response()
             first += [piece] if piece is not None else []
-        return EventStreamResponse(self._sse(gen, _chain(first, pieces), writer, keep),
-                                   disconnected, headers)
+        events = self._sse(gen, _chain(first, pieces), writer, keep)
+        if resumable:
+            return resumable_sse(self.gw.streams, events, request.headers,
+                                 lambda: self.gw.cancel(response_id), disconnected, headers,
+                                 settings.sse_keepalive_interval)
+        return EventStreamResponse(events, disconnected, headers)
 
     def _history(self, previous_id: str | None) -> list[ChatMessage]:
         """The conversation a previous response ended (its input and its output)."""

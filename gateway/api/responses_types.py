@@ -76,6 +76,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     store: bool | None = None  # None: true, as OpenAI
     previous_response_id: str | None = None
+    # pagedserve: a stream that survives a dropped connection (None: --resumable-streams)
+    resumable: bool | None = None
     # accepted, and change nothing here
     metadata: dict[str, str] | None = None
     user: str | None = None

@@ -3,7 +3,9 @@ server turns into an abort of the request.
 
 A resumable stream (the response named an `X-Stream-Id`) that breaks is reopened with
 `GET /v1/streams/{id}` and `Last-Event-ID`: the server sends only the events after the last one
-read, so the text continues exactly once; closing it early cancels it with `DELETE`.
+read, so the text continues exactly once; closing it early cancels it with `DELETE`. It has
+ended at `[DONE]` (chat, completions) or at its terminal event (Responses, Messages, which send
+no `[DONE]`); a body that ends before either is a break.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from pagedserve_client._sse import ServerSentEvent, SSEDecoder
 T = TypeVar("T")
 R = TypeVar("R")
 MAX_RESUMES = 5  # reconnects in a row that bring no new event before the stream gives up
+# the SSE `event:` names that end a stream which sends no [DONE] (Responses, Messages)
+TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed",
+                             "message_stop", "error"})
 
 
 def _decode(event: ServerSentEvent, cls: type[T], request_id: str | None) -> T:
@@ -60,6 +65,10 @@ class _Reader:
             self.fruitless = 0
             if event.data == "[DONE]":
                 self.finished = True
+                return
+            if event.event in TERMINAL_EVENTS:
+                self.finished = True  # NOTE: before the yield: an `error` event raises there
+                yield event
                 return
             yield event
 
@@ -118,7 +127,7 @@ class Stream(Generic[T]):
                     if reader.finished:
                         return
                 if self._resumer is not None:  # NOTE: a plain stream ends quietly, as before
-                    error = APIConnectionError("stream ended before [DONE]",
+                    error = APIConnectionError("stream ended before its last event",
                                                request_id=self.request_id)
             except httpx.TransportError as exc:
                 error = APIConnectionError(f"stream broke: {exc}", request_id=self.request_id)
@@ -186,7 +195,7 @@ class AsyncStream(Generic[T]):
                     if reader.finished:
                         return
                 if self._resumer is not None:  # NOTE: a plain stream ends quietly, as before
-                    error = APIConnectionError("stream ended before [DONE]",
+                    error = APIConnectionError("stream ended before its last event",
                                                request_id=self.request_id)
             except httpx.TransportError as exc:
                 error = APIConnectionError(f"stream broke: {exc}", request_id=self.request_id)

@@ -41,6 +41,8 @@ export interface ResponseCreateParams {
   seed?: number;
   top_k?: number;
   ignore_eos?: boolean;
+  /** Survive a dropped connection: the Stream resumes it (with `stream: true`; docs/resume.md). */
+  resumable?: boolean;
   [extra: string]: unknown;
 }
 

@@ -3,7 +3,9 @@
  *
  * A resumable stream (the response named an `X-Stream-Id`) that breaks is reopened with
  * `GET /v1/streams/{id}` and `Last-Event-ID`: the server sends only the events after the last one
- * read, so the text continues exactly once; leaving it early cancels it with `DELETE`. */
+ * read, so the text continues exactly once; leaving it early cancels it with `DELETE`. It has
+ * ended at `[DONE]` (chat, completions) or at its terminal event (Responses, Messages, which send
+ * no `[DONE]`); a body that ends before either is a break. */
 
 import { APIConnectionError, APIUserAbortError, streamError } from './errors.js';
 import { retryDelayMs, sleep } from './retry.js';
@@ -11,6 +13,11 @@ import { iterEvents } from './sse.js';
 
 /** Reconnects in a row that bring no new event before a resumable stream gives up. */
 export const MAX_RESUMES = 5;
+
+/** The SSE `event:` names that end a stream which sends no [DONE] (Responses, Messages). */
+export const TERMINAL_EVENTS: ReadonlySet<string> = new Set([
+  'response.completed', 'response.incomplete', 'response.failed', 'message_stop', 'error',
+]);
 
 export interface Opened { response: Response; controller: AbortController }
 
@@ -58,13 +65,18 @@ export class Stream<T> implements AsyncIterable<T> {
               finished = true;
               return;
             }
+            if (event.event !== null && TERMINAL_EVENTS.has(event.event)) {
+              finished = true; // NOTE: before decode: an `error` event throws there
+              yield this.decode(event.data, event.event);
+              return;
+            }
             yield this.decode(event.data, event.event);
           }
           if (!this.resumer) {
-            finished = true; // NOTE: a plain stream may end with its body (Responses sends no [DONE])
+            finished = true; // NOTE: a plain stream ends quietly with its body, as before
             return;
           }
-          broke = new APIConnectionError('stream ended before [DONE]');
+          broke = new APIConnectionError('stream ended before its last event');
         } catch (err) {
           if (this.controller.signal.aborted) throw new APIUserAbortError('request aborted', { cause: err });
           if (!(err instanceof TypeError || (err as Error)?.name === 'AbortError')) throw err;

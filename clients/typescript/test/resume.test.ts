@@ -91,6 +91,30 @@ describe('resumable streams survive a network cut', () => {
     expect(text).toBe(expected);
   });
 
+  it('a resumable Responses stream (no [DONE]) ends at its terminal event and resumes across a cut', async () => {
+    const params = { input: 'Tell a long story', max_output_tokens: 300, temperature: 0, ignore_eos: true, store: false };
+    const deltas = (events: ps.ResponseStreamEvent[]) =>
+      events.filter((e) => e.type === 'response.output_text.delta').map((e) => e.delta).join('');
+    const plain: ps.ResponseStreamEvent[] = [];
+    for await (const e of await new ps.PagedServe({ baseURL }).responses.create({ ...params, stream: true })) plain.push(e);
+    // NOTE: read to its end without a cut: no reconnect (its body ends after response.incomplete)
+    const whole = await new ps.PagedServe({ baseURL }).responses.create({ ...params, max_output_tokens: 8, stream: true, resumable: true });
+    const kinds: string[] = [];
+    for await (const e of whole) kinds.push(e.type);
+    expect([whole.streamId !== null, whole.resumes, kinds.at(-1)]).toEqual([true, 0, 'response.incomplete']);
+    const stream = await new ps.PagedServe({ baseURL: proxy.url }).responses.create({ ...params, stream: true, resumable: true });
+    const seen: ps.ResponseStreamEvent[] = [];
+    for await (const e of stream) {
+      seen.push(e);
+      if (seen.length === 5) proxy.cut(2000);
+    }
+    expect([proxy.cuts, stream.resumes >= 1]).toEqual([1, true]);
+    expect(seen.map((e) => e.sequence_number)).toEqual(seen.map((_, k) => k));
+    expect(seen.filter((e) => ps.TERMINAL_EVENTS.has(e.type)).map((e) => e.type)).toEqual(['response.incomplete']);
+    expect(deltas(seen)).toBe(deltas(plain));
+    expect(deltas(plain).length).toBeGreaterThan(0);
+  });
+
   it('leaving a resumable stream early cancels it on the server', async () => {
     const expired0 = await counter('pagedserve_streams_expired_aborted_total');
     const stream = await new ps.PagedServe({ baseURL }).chat.completions.create({
