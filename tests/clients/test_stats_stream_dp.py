@@ -25,7 +25,17 @@ async def _snapshots(http: httpx.AsyncClient, seen: list[dict]) -> None:
                 seen.extend(data if isinstance(data, list) else [data])
 
 
+async def _both_engines_ready(seen: list[dict]) -> None:
+    """NOTE: the server is healthy once one engine is ready; the router sends every request to
+    that one until the other is ready too, and the stream lists only ready engines."""
+    deadline = time.monotonic() + 120
+    while not (seen and len(seen[-1]["engines"]) == 2):
+        assert time.monotonic() < deadline, "the second engine never became ready"
+        await asyncio.sleep(0.2)
+
+
 async def _both_engines_busy(http: httpx.AsyncClient, seen: list[dict]) -> None:
+    await _both_engines_ready(seen)
     body = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True}
     load = [asyncio.create_task(http.post("/v1/completions", headers=AUTH,
                                           json={**body, "seed": i})) for i in range(4)]
