@@ -47,7 +47,13 @@ from gateway.protocol import (
 from gateway.resumable_sse import StreamRoutes, resumable_sse, wants_resumable
 from gateway.service import Gateway, GatewaySettings
 from gateway.stats_stream import StatsFeed
-from gateway.streaming import PING, DisconnectAwareResponse, EventStreamResponse
+from gateway.streaming import (
+    PING,
+    DisconnectAwareResponse,
+    EventStreamResponse,
+    json_response,
+    prepend,
+)
 from gateway.tracing import trace_headers
 from gateway.ws import WebSocketEndpoint
 from ipc.messages import FINISH_ERROR
@@ -75,13 +81,13 @@ class Handlers:
                           max_model_len=info.max_model_len if info else None)]
 
     async def models(self, request: Request) -> Response:
-        return _json(ModelList(self._cards()))
+        return json_response(ModelList(self._cards()))
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
         for card in self._cards():
             if card.id == model_id:
-                return _json(card)
+                return json_response(card)
         return ApiError(404, f"the model `{model_id}` does not exist", "model_not_found",
                         "model").response()
 
@@ -101,7 +107,7 @@ class Handlers:
         except ApiError as exc:
             return exc.response()
         strs = [gw.tokenizer().token_text(t) for t in ids] if parsed.return_token_strs else None
-        return _json(TokenizeResponse(len(ids), gw.client.info.max_model_len,  # type: ignore[union-attr]
+        return json_response(TokenizeResponse(len(ids), gw.client.info.max_model_len,  # type: ignore[union-attr]
                                       ids, strs))
 
     async def detokenize(self, request: Request) -> Response:
@@ -117,7 +123,8 @@ class Handlers:
                                "tokens")
         except ApiError as exc:
             return exc.response()
-        return _json(DetokenizeResponse(tok.decode(parsed.tokens, skip_special_tokens=False)))
+        text = tok.decode(parsed.tokens, skip_special_tokens=False)
+        return json_response(DetokenizeResponse(text))
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, ChatCompletionRequest)
@@ -178,7 +185,7 @@ class Handlers:
         namer = self.gw.namer()
         builders = [ChunkBuilder(g, namer, timeline=len(gens) == 1) for g in gens]
         try:
-            async for k, piece in _chain(first, pieces):
+            async for k, piece in prepend(first, pieces):
                 if piece is None:
                     yield PING
                     continue
@@ -207,7 +214,7 @@ class Handlers:
                 accs[k].add(piece)
         finally:
             await self._close(gens)
-        return _json(response_of(accs), headers)
+        return json_response(response_of(accs), headers)
 
     async def cancel(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
@@ -241,7 +248,7 @@ class Handlers:
         return EventStreamResponse(self.stats_feed.events(), lambda: None)
 
     async def openapi(self, request: Request) -> Response:
-        return _json(openapi_document())
+        return json_response(openapi_document())
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -258,19 +265,6 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     if is_messages_path(request.url.path):
         return anthropic_error_response(ApiError(500, "internal server error", "internal_error"))
     return ApiError(500, "internal server error", "internal_error").response()
-
-
-async def _chain(first: list[tuple[int, Piece | None]],
-                 rest: AsyncIterator[tuple[int, Piece | None]]
-                 ) -> AsyncIterator[tuple[int, Piece | None]]:
-    for piece in first:
-        yield piece
-    async for piece in rest:
-        yield piece
-
-
-def _json(payload: object, headers: dict[str, str] | None = None) -> Response:
-    return Response(msgspec.json.encode(payload), headers=headers, media_type="application/json")
 
 
 def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,

@@ -8,11 +8,28 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
+import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 PING = b": ping\n\n"  # an SSE comment: keeps a quiet stream open
+
+T = TypeVar("T")
+
+
+def json_response(payload: object, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(payload), headers=headers, media_type="application/json")
+
+
+async def prepend(first: list[T], rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`first` (items already read off `rest`, e.g. to see a grammar error), then the rest."""
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item
+
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -34,7 +34,7 @@ from gateway.errors import ApiError
 from gateway.generation import Generation, Piece, piece_error
 from gateway.resumable_sse import resumable_sse, wants_resumable
 from gateway.service import Gateway
-from gateway.streaming import DisconnectAwareResponse, EventStreamResponse
+from gateway.streaming import DisconnectAwareResponse, EventStreamResponse, json_response, prepend
 from gateway.structured import structured_for
 from gateway.tracing import trace_headers
 from ipc.messages import FINISH_ABORT, FINISH_ERROR
@@ -75,7 +75,7 @@ class MessagesApi:
         except ClientDisconnect:
             self.gw.metrics.client_disconnects.inc()
             return Response(status_code=499)
-        return _json(TokenCount(len(ids)))
+        return json_response(TokenCount(len(ids)))
 
     async def create(self, request: Request) -> Response:
         gw = self.gw
@@ -137,7 +137,7 @@ class MessagesApi:
         stop = gen.stop_string()
         reply = MessageReply(job.request_id, job.model, blocks.content,
                              blocks.stop_reason(finish, stop), stop, _usage(gen))
-        return _json(reply, headers)
+        return json_response(reply, headers)
 
     async def _events(self, gen: Generation, first: list[Piece | None],
                       pieces: AsyncGenerator[Piece | None]) -> AsyncIterator[bytes]:
@@ -146,7 +146,7 @@ class MessagesApi:
         blocks, choice = Blocks(), ChoiceEvents(gen.job)
         started = False
         try:
-            async for piece in _chain(first, pieces):
+            async for piece in prepend(first, pieces):
                 if piece is None:
                     yield sse(Ping())
                     continue
@@ -196,15 +196,3 @@ def _usage(gen: Generation) -> MessageUsage:
     """Anthropic's count: input_tokens are the prompt tokens not read from the prefix cache."""
     prompt, cached = len(gen.job.prompt_ids), gen.cached_tokens
     return MessageUsage(prompt - cached, gen.completion_tokens, cached)
-
-
-async def _chain(first: list[Piece | None],
-                 rest: AsyncIterator[Piece | None]) -> AsyncIterator[Piece | None]:
-    for piece in first:
-        yield piece
-    async for piece in rest:
-        yield piece
-
-
-def _json(payload: object, headers: dict[str, str] | None = None) -> Response:
-    return Response(msgspec.json.encode(payload), headers=headers, media_type="application/json")

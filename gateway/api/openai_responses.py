@@ -35,7 +35,12 @@ from gateway.generation import Generation, Job, Piece, piece_error
 from gateway.protocol import ChatMessage, FunctionCall, ToolCall, check_request, decode_body
 from gateway.resumable_sse import resumable_sse, wants_resumable
 from gateway.service import Gateway
-from gateway.streaming import PING, DisconnectAwareResponse, EventStreamResponse
+from gateway.streaming import (
+    PING,
+    DisconnectAwareResponse,
+    EventStreamResponse,
+    prepend,
+)
 from gateway.tracing import trace_headers
 from ipc.messages import FINISH_ERROR
 
@@ -89,7 +94,7 @@ class ResponsesRoutes:
                 await self._close(gen)
                 return _renamed(piece_error(piece)).response()
             first += [piece] if piece is not None else []
-        events = self._sse(gen, _chain(first, pieces), writer, keep)
+        events = self._sse(gen, prepend(first, pieces), writer, keep)
         if resumable:
             return resumable_sse(self.gw.streams, events, request.headers,
                                  lambda: self.gw.cancel(response_id), disconnected, headers,
@@ -206,11 +211,3 @@ def _renamed(exc: ApiError) -> ApiError:
 def _not_found(response_id: str) -> ApiError:
     return ApiError(404, f"no stored response `{response_id}` (never stored, deleted or "
                     "expired)", "response_not_found", "response_id")
-
-
-async def _chain(first: list[Piece | None], rest: AsyncIterator[Piece | None]
-                 ) -> AsyncIterator[Piece | None]:
-    for piece in first:
-        yield piece
-    async for piece in rest:
-        yield piece
