@@ -27,6 +27,7 @@ from engine.step_plan import (
     decode_first,
 )
 from ipc.messages import TokenDelta
+from ipc.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -400,12 +401,17 @@ class Scheduler:
         again, with the values it has."""
         if not grammar_budget.closes_on_budget(req):
             return False
-        ends = {*self.eos_token_ids, *req.sampling.stop_token_ids}
-        if not grammar_budget.refuses(req, token, ends, self.config.max_model_len):
+        if not grammar_budget.refuses(req, token, self.end_tokens(req.sampling),
+                                      self.config.max_model_len):
             return False
         req.num_computed_tokens -= 1
         req.closing_forced = True
         return True
+
+    def end_tokens(self, s: SamplingParams) -> frozenset[int]:
+        """The tokens that end a choice: its stop_token_ids, and EOS unless ignore_eos."""
+        return frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos
+                                              else self.eos_token_ids)
 
     def num_prompt_tokens_in(self, plan: StepPlan) -> int:
         """Prompt tokens the plan computes (call before update)."""
@@ -421,8 +427,7 @@ class Scheduler:
         """Apply the beam module's decisions for the group (beam_search.plan_step)."""
         group = self.groups[rid]
         s = group[0].sampling
-        ends = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos_token_ids))
-        step = beam_search.plan_step([_member(r) for r in group], s.n, frozenset(ends),
+        step = beam_search.plan_step([_member(r) for r in group], s.n, self.end_tokens(s),
                                      s.min_tokens)
         if step is None:
             return []

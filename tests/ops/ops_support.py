@@ -1,4 +1,4 @@
-"""Ops test helpers: a fake systemd notify socket, and process checks."""
+"""Ops test helpers: a fake systemd notify socket, process checks, a stream's event gaps."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+
+import httpx
 
 
 class NotifySocket:
@@ -169,3 +171,20 @@ async def wait_engine_idle(url: str, timeout: float = 5.0) -> None:
             return
         assert time.monotonic() < deadline, f"running, waiting, KV blocks held: {held}"
         await asyncio.sleep(0.1)
+
+
+async def record_gaps(client: httpx.AsyncClient, body: dict, gaps: list[float],
+                      started: asyncio.Event, after: int = 5) -> None:
+    """Stream a chat `body`, appending the seconds between its data events to `gaps`;
+    `started` is set once `after` gaps are in (the stream is then known to be flowing)."""
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        last = None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            now = time.monotonic()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            if len(gaps) == after:
+                started.set()

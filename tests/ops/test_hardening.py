@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from ops_support import Server
+from ops_support import Server, record_gaps
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,22 +91,8 @@ async def test_huge_bodies_do_not_stall_a_concurrent_stream(server: Server) -> N
     stream_body = {**CHAT, "stream": True, "max_tokens": 700, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         gaps: list[float] = []
-
-        async def stream() -> None:
-            async with client.stream("POST", "/v1/chat/completions", json=stream_body) as r:
-                last = None
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    now = time.monotonic()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
-                    if len(gaps) == 5:
-                        started.set()
-
         started = asyncio.Event()
-        reader = asyncio.create_task(stream())
+        reader = asyncio.create_task(record_gaps(client, stream_body, gaps, started))
         await asyncio.wait_for(started.wait(), 30)
         replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=body)
                                          for body in (huge, huge, huge, large, large)))

@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from ops_support import record_gaps
 from tiny_server import running_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,21 +45,7 @@ async def test_huge_tools_do_not_stall_a_concurrent_stream(url: str) -> None:
     gaps: list[float] = []
     started = asyncio.Event()
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-
-        async def stream() -> None:
-            async with client.stream("POST", "/v1/chat/completions", json=stream_body) as r:
-                last = None
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    now = time.monotonic()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
-                    if len(gaps) == 5:
-                        started.set()
-
-        reader = asyncio.create_task(stream())
+        reader = asyncio.create_task(record_gaps(client, stream_body, gaps, started))
         await asyncio.wait_for(started.wait(), 60)
         replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=body)
                                          for body in (huge, wide, long, kwargs)))
