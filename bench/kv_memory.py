@@ -24,9 +24,9 @@ import statistics
 import time
 
 from bench.workloads import make_workload
-from engine.kv_manager import KVCacheManager
-from engine.request import Request
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sched.kv_manager import KVCacheManager
+from engine.sched.request import Request
+from engine.sched.scheduler import Scheduler, SchedulerConfig
 from engine.step_plan import RunnerOutput, Sampled, StepPlan
 from ipc.sampling import SamplingParams
 

@@ -6,7 +6,7 @@ __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):
-    # NOTE: lazy, so `python -m engine` and light imports (engine.request) skip torch model code.
+    # NOTE: lazy, so `python -m engine` and light imports (engine.sched) skip torch model code.
     if name in ("LLM", "CompletionOutput", "RequestOutput"):
         from engine import llm
 

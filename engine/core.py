@@ -14,18 +14,18 @@ import torch
 
 from engine.allocator import tune_malloc
 from engine.devices import resolve_device, resolve_dtype
-from engine.kv_manager import KVCacheManager
 from engine.models.config import ModelConfig
 from engine.models.cpu_linear import pack_linears, resolve_mode
 from engine.models.loader import load_model, resolve_quantization
 from engine.models.quant_linear import count_weights
-from engine.preemption import PreemptionCost
-from engine.request import Request
-from engine.runner import ModelRunner
-from engine.sampler import Sampler
-from engine.scheduler import Scheduler, SchedulerConfig, SpecConfig
+from engine.run.runner import ModelRunner
+from engine.run.sampler import Sampler
+from engine.sched.kv_manager import KVCacheManager
+from engine.sched.preemption import PreemptionCost
+from engine.sched.request import Request
+from engine.sched.scheduler import Scheduler, SchedulerConfig, SpecConfig
+from engine.sched.structured.compiler import GrammarCompiler
 from engine.step_plan import choice_key
-from engine.structured.compiler import GrammarCompiler
 from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig, step_token_budget
 from ipc.messages import AddRequest, EngineStats, TokenDelta
@@ -306,7 +306,7 @@ class EngineCore:
 
 
 def _lltokenizer(directory: str, vocab_size: int, eos_token_ids: list[int]):
-    from engine.structured.tokenizer import build_lltokenizer  # NOTE: llguidance, lazily
+    from engine.sched.structured.tokenizer import build_lltokenizer  # NOTE: llguidance, lazily
 
     return build_lltokenizer(directory, vocab_size, eos_token_ids)
 

@@ -14,7 +14,7 @@ from gateway.tool_parsers import MISTRAL_TOOL_CALLS, TOOL_CALL_END, TOOL_CALL_ST
 from ipc.sampling import StructuredOutputs
 
 # NOTE: llguidance's JSON options for schemas embedded in a Lark grammar, matching the engine's
-# spacing for plain schemas (engine/structured/backend.py json_options).
+# spacing for plain schemas (engine/sched/structured/backend.py json_options).
 _X_GUIDANCE = {"coerce_one_of": True, "item_separator": ", ", "key_separator": ": ",
                "whitespace_flexible": False}
 # NOTE: Mistral's templates write each past call's 9-character id after its arguments

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.forward_context import get_forward_context
 from engine.models.llama import DecoderLayer, LlamaForCausalLM, RotaryEmbedding
 from engine.models.quant_linear import PREFILL_ROWS, QuantLinear, QuantMLP
+from engine.run.forward_context import get_forward_context
 from kernels import cpu_fused
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_context import get_forward_context
 from engine.models.config import ModelConfig
+from engine.run.forward_context import get_forward_context
 from kernels import cpu_ops
 
 if TYPE_CHECKING:

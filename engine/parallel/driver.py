@@ -21,7 +21,7 @@ from engine.parallel import records
 from engine.parallel.group import Channel, Topology, join
 from engine.parallel.layers import TensorParallelLlama
 from engine.parallel.worker import WorkerArgs, build_shard, start_workers
-from engine.runner import ModelRunner
+from engine.run.runner import ModelRunner
 from engine.step_plan import DraftProposals, RunnerOutput, StepPlan
 from ipc import exit_codes
 from ipc.config import EngineConfig

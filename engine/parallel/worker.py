@@ -91,8 +91,8 @@ def _serve(model: TensorParallelLlama, channel: Channel, device: torch.device) -
 
 
 def _runner(model: TensorParallelLlama, init: records.RunnerInit, device: torch.device):
-    from engine.runner import ModelRunner
-    from engine.sampler import Sampler
+    from engine.run.runner import ModelRunner
+    from engine.run.sampler import Sampler
     from kernels import get_backend
 
     return ModelRunner(

@@ -4,7 +4,7 @@ is done (checked against hand-worked scores)."""
 
 from __future__ import annotations
 
-from engine.beam_search import Hypothesis, Member, final, plan_step
+from engine.sched.beams import Hypothesis, Member, final, plan_step
 
 EOS = 0
 

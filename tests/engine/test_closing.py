@@ -1,4 +1,4 @@
-"""Budget closing's search (engine/structured/closing.py): from any state a grammar can reach,
+"""Budget closing's search (engine/sched/structured/closing.py): from any state a grammar can reach,
 the completion it finds is accepted by the grammar and the whole text validates against the
 schema with the `jsonschema` package; and it is short (no longer than a hand-closed text)."""
 
@@ -13,9 +13,9 @@ import pytest
 import tokenizers
 from test_structured import SCHEMAS
 
-from engine.structured.backend import Grammar, grammar_text
-from engine.structured.closing import Closer, Nesting
-from engine.structured.tokenizer import build_lltokenizer
+from engine.sched.structured.backend import Grammar, grammar_text
+from engine.sched.structured.closing import Closer, Nesting
+from engine.sched.structured.tokenizer import build_lltokenizer
 from ipc.sampling import StructuredOutputs
 
 PERSON = {  # what the openai SDK sends for a Pydantic model

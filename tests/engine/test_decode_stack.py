@@ -12,7 +12,7 @@ import torch
 from tiny_quant_gguf import write_tiny_gguf
 
 from engine import LLM, SamplingParams
-from engine.forward_context import ForwardContext, forward_context
+from engine.run.forward_context import ForwardContext, forward_context
 from kernels import AttentionMetadata, cpu_backend, cpu_fused, cpu_quant, torch_backend
 
 

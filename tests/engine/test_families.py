@@ -12,7 +12,7 @@ from tiny_families import FAMILIES, WINDOW, build_family
 from tiny_gguf import ARCHS, write_gguf
 
 from engine import LLM, SamplingParams
-from engine.kv_manager import held
+from engine.sched.kv_manager import held
 
 MAX_NEW = 10
 LENGTHS = [5, 31, 61, 90]  # all but the first longer than the window (24)

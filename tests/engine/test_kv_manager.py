@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_manager import BlockPool, KVCacheManager, hash_block
-from engine.request import Request
+from engine.sched.kv_manager import BlockPool, KVCacheManager, hash_block
+from engine.sched.request import Request
 from ipc.sampling import SamplingParams
 
 

@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.kv_manager import KVCacheManager
-from engine.request import Request
+from engine.sched.kv_manager import KVCacheManager
+from engine.sched.request import Request
 from ipc.sampling import SamplingParams
 
 BLOCK = 4

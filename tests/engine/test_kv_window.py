@@ -4,8 +4,8 @@ NULL_BLOCK entries in place, and a growing request's block count stays bounded."
 
 from __future__ import annotations
 
-from engine.kv_manager import NULL_BLOCK, KVCacheManager
-from engine.request import Request
+from engine.sched.kv_manager import NULL_BLOCK, KVCacheManager
+from engine.sched.request import Request
 from ipc.sampling import SamplingParams
 
 

@@ -8,8 +8,8 @@ import json
 import pytest
 from tiny_qwen3 import VOCAB, tiny_qwen3_dir
 
-from engine.structured.backend import Grammar, grammar_text
-from engine.structured.tokenizer import build_lltokenizer
+from engine.sched.structured.backend import Grammar, grammar_text
+from engine.sched.structured.tokenizer import build_lltokenizer
 from gateway.reasoning import REASONING_PARSERS
 from gateway.tokenizer import Tokenizer
 from ipc.sampling import StructuredOutputs

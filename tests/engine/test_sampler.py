@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.runner_rows import Row
-from engine.sampler import Sampler
+from engine.run.rows import Row
+from engine.run.sampler import Sampler
 from engine.step_plan import NewRequest
 from ipc.sampling import SamplingParams
 

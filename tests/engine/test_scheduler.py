@@ -9,11 +9,11 @@ import random
 import msgspec
 import pytest
 
-from engine.kv_manager import NULL_BLOCK, KVCacheManager
-from engine.preemption import PreemptionCost
-from engine.request import Request
-from engine.runner_rows import RowStates
-from engine.scheduler import Scheduler, SchedulerConfig, SpecConfig
+from engine.run.rows import RowStates
+from engine.sched.kv_manager import NULL_BLOCK, KVCacheManager
+from engine.sched.preemption import PreemptionCost
+from engine.sched.request import Request
+from engine.sched.scheduler import Scheduler, SchedulerConfig, SpecConfig
 from engine.step_plan import (
     BlockCopy,
     CopyKind,

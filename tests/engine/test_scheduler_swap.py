@@ -6,10 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.kv_manager import KVCacheManager
-from engine.preemption import SWAP, PreemptionCost
-from engine.request import Request
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sched.kv_manager import KVCacheManager
+from engine.sched.preemption import SWAP, PreemptionCost
+from engine.sched.request import Request
+from engine.sched.scheduler import Scheduler, SchedulerConfig
 from engine.step_plan import CopyKind, RunnerOutput, Sampled
 from ipc.sampling import SamplingParams
 

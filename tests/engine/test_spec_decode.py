@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import spec_decode
 from engine.core import EngineCore
+from engine.sched import speculation as spec_decode
 from ipc.config import EngineConfig
 from ipc.messages import AddRequest
 from ipc.sampling import SamplingParams

@@ -12,8 +12,8 @@ import pytest
 import tokenizers
 
 from engine import LLM, SamplingParams
-from engine.request import RequestStatus
-from engine.structured.tokenizer import token_bytes
+from engine.sched.request import RequestStatus
+from engine.sched.structured.tokenizer import token_bytes
 from ipc.sampling import StructuredOutputs
 
 SCHEMAS = {
@@ -113,7 +113,7 @@ def test_greedy_grammar_output_is_the_same_with_speculation_and_preemption(tiny_
                     {"speculative_method": "self", "speculative_draft_layers": 1},
                     {"num_gpu_blocks": 20, "block_size": 4, "preemption_mode": "swap"},
                     {"num_gpu_blocks": 20, "block_size": 4, "preemption_mode": "recompute"}):
-        # NOTE: budget closing turns speculation off for its requests (engine/grammar_budget.py
+        # NOTE: budget closing turns speculation off for its requests (engine/sched/grammar.py
         # says why); this test is of speculation and preemption, so it runs without it
         llm = LLM(str(tiny_model_dir), max_model_len=256, structured_output_close_on_budget=False,
                   **({"num_gpu_blocks": 128} | options))

@@ -10,7 +10,7 @@ import llguidance
 import msgspec
 import pytest
 
-from engine.structured.tokenizer import build_lltokenizer
+from engine.sched.structured.tokenizer import build_lltokenizer
 from gateway.errors import ApiError
 from gateway.protocol import ChatCompletionRequest, decode_request
 from gateway.structured import structured_for, tool_call_grammar

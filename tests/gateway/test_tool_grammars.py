@@ -16,7 +16,7 @@ import pytest
 from llama_models.llama3.tool_utils import ToolUtils
 from llguidance.numpy import fill_next_token_bitmask
 
-from engine.structured.tokenizer import build_lltokenizer
+from engine.sched.structured.tokenizer import build_lltokenizer
 from gateway.protocol import ChatCompletionRequest, Tool, decode_request
 from gateway.structured import CallSyntax, auto_tool_grammar, structured_for, tool_call_grammar
 from gateway.tool_parsers import PARSER_CLASSES

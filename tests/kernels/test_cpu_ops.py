@@ -7,9 +7,9 @@ import c_build
 import pytest
 import torch
 
-from engine.forward_context import ForwardContext, forward_context
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from engine.run.forward_context import ForwardContext, forward_context
 from kernels import cpu_ops, torch_backend
 from kernels.metadata import AttentionMetadata
 

@@ -54,7 +54,7 @@ def _routed(pool: EnginePool) -> list[int]:
 
 
 def test_prefix_hashes_match_the_engine() -> None:
-    from engine.kv_manager import hash_block as engine_hash
+    from engine.sched.kv_manager import hash_block as engine_hash
 
     assert engine_hash is hash_block
     hashes = prompt_block_hashes(list(range(40)), 16, "salt")

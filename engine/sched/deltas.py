@@ -3,8 +3,8 @@ what the engine sends (tokens, finish, logprobs, prompt logprobs once, timeline 
 
 from __future__ import annotations
 
-from engine.beam_search import Hypothesis
-from engine.request import Request
+from engine.sched.beams import Hypothesis
+from engine.sched.request import Request
 from ipc.messages import RequestMetrics, TokenDelta
 
 

@@ -11,13 +11,13 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine import beam_search, grammar_budget, spec_decode
-from engine.deltas import beam_deltas, delta
-from engine.grammar_masks import GrammarMasks
-from engine.kv_manager import KVCacheManager, held
-from engine.plan_mirror import RunnerMirror
-from engine.preemption import SWAP, PreemptionCost
-from engine.request import Request, RequestStatus
+from engine.sched import beams, grammar, speculation
+from engine.sched.deltas import beam_deltas, delta
+from engine.sched.grammar_masks import GrammarMasks
+from engine.sched.kv_manager import KVCacheManager, held
+from engine.sched.mirror import RunnerMirror
+from engine.sched.preemption import SWAP, PreemptionCost
+from engine.sched.request import Request, RequestStatus
 from engine.step_plan import (
     DraftProposals,
     PromptLogprobsSpan,
@@ -72,9 +72,9 @@ class Scheduler:
         self._waiting: list[tuple[tuple, Request]] = []  # heap by sort_key
         self._compiling: list[Request] = []  # WAITING_FOR_GRAMMAR, in arrival order
         self.groups: dict[str, list[Request]] = {}  # request id -> its live choices
-        self.beam_finished: dict[str, list[beam_search.Hypothesis]] = {}  # ended hypotheses
+        self.beam_finished: dict[str, list[beams.Hypothesis]] = {}  # ended hypotheses
         self.preemptions = PreemptionStats()
-        self.spec_stats = spec_decode.SpecStats()
+        self.spec_stats = speculation.SpecStats()
         self._by_key: dict[str, Request] = {}  # every live choice by its key
         self._mirror = RunnerMirror(kv)
         self._masks = GrammarMasks(config.vocab_size or 0)
@@ -210,7 +210,7 @@ class Scheduler:
             req.spec_gamma = spec.num_tokens
         left = min(req.max_tokens - req.num_output_tokens,
                    self.config.max_model_len - req.num_tokens) - 1
-        gamma = min(spec_decode.next_gamma(req, spec.num_tokens), room, left)
+        gamma = min(speculation.next_gamma(req, spec.num_tokens), room, left)
         if gamma <= 0:
             return 0
         if spec.method != "ngram":
@@ -218,7 +218,7 @@ class Scheduler:
             # (Runner.propose, then attach_drafts): no placeholder tokens here
             plan.self_drafts[req.key] = gamma
             return gamma
-        drafts = spec_decode.ngram_propose(req.all_token_ids, gamma, spec.lookup_max,
+        drafts = speculation.ngram_propose(req.all_token_ids, gamma, spec.lookup_max,
                                            spec.lookup_min)
         if req.grammar is not None:
             # NOTE: a lookup proposal is a function of the context alone, so cutting it
@@ -280,7 +280,7 @@ class Scheduler:
         """For each scheduled choice, in the runner's order (decodes first): its runner entry,
         its prompt-logprob span, and whether it samples (then its forked choices too: n > 1
         choices sample from its logits); then the grammar masks of those that sample."""
-        grammar: list[str] = []
+        masked: list[str] = []
         for key in decode_first(plan):
             req = self._by_key[key]
             n = plan.num_scheduled_tokens[key]
@@ -299,9 +299,9 @@ class Scheduler:
                 plan.sampling.append(SampleRow(child.key, key))
                 self._mirror.add_to(plan, child)
             if req.grammar is not None and key not in plan.self_drafts:
-                grammar += [key] + [c.key for c in req.children]
-        if grammar:
-            self._plan_masks(plan, grammar)
+                masked += [key] + [c.key for c in req.children]
+        if masked:
+            self._plan_masks(plan, masked)
 
     def _plan_masks(self, plan: StepPlan, keys: list[str]) -> None:
         """The grammar's allowed tokens at each sampling position of these choices."""
@@ -314,8 +314,8 @@ class Scheduler:
             masks = self._masks.plain([r.grammar for r in plain])  # type: ignore[misc]
             plan.grammar_masks.update((r.key, m) for r, m in zip(plain, masks, strict=True))
         for req in plain:
-            if grammar_budget.closes_on_budget(req):
-                token = grammar_budget.forced_token(req, self.config.max_model_len)
+            if grammar.closes_on_budget(req):
+                token = grammar.forced_token(req, self.config.max_model_len)
                 if token is not None:
                     plan.grammar_masks[req.key] = self._masks.only(token)
         for req in with_drafts:
@@ -394,14 +394,14 @@ class Scheduler:
 
     def _refuse_for_closing(self, req: Request, token: int) -> bool:
         """Budget closing: a token after which the grammar cannot close in time is dropped
-        and its position computed again, with the closing forced (engine/grammar_budget.py).
+        and its position computed again, with the closing forced (engine/sched/grammar.py).
 
         NOTE: the sampled token's K/V is not written yet (the next step would write it), so
         the choice only steps back one computed position: its last token's K/V is written
         again, with the values it has."""
-        if not grammar_budget.closes_on_budget(req):
+        if not grammar.closes_on_budget(req):
             return False
-        if not grammar_budget.refuses(req, token, self.end_tokens(req.sampling),
+        if not grammar.refuses(req, token, self.end_tokens(req.sampling),
                                       self.config.max_model_len):
             return False
         req.num_computed_tokens -= 1
@@ -424,10 +424,10 @@ class Scheduler:
     # ---- beam search -----------------------------------------------------------------------
 
     def _beam_step(self, rid: str) -> list[TokenDelta]:
-        """Apply the beam module's decisions for the group (beam_search.plan_step)."""
+        """Apply the beam module's decisions for the group (beams.plan_step)."""
         group = self.groups[rid]
         s = group[0].sampling
-        step = beam_search.plan_step([_member(r) for r in group], s.n, self.end_tokens(s),
+        step = beams.plan_step([_member(r) for r in group], s.n, self.end_tokens(s),
                                      s.min_tokens)
         if step is None:
             return []
@@ -459,7 +459,7 @@ class Scheduler:
         at_limit = bool(live) and (
             max(r.num_output_tokens for r in live) >= max(r.max_tokens for r in live)
             or max(r.num_tokens for r in live) >= self.config.max_model_len)
-        top = beam_search.final(self.beam_finished[rid], [_member(r) for r in live], s.n,
+        top = beams.final(self.beam_finished[rid], [_member(r) for r in live], s.n,
                                 s.length_penalty, at_limit)
         if top is None:
             return []
@@ -486,7 +486,7 @@ class Scheduler:
             self.spec_stats.record(proposed, len(accepted))
             req.num_spec_draft_tokens += proposed
             req.num_spec_accepted_tokens += len(accepted)
-            spec_decode.adapt_gamma(req, proposed, len(accepted), spec.num_tokens)
+            speculation.adapt_gamma(req, proposed, len(accepted), spec.num_tokens)
             self._drop_speculation(req)
             self.kv.trim(req)
 
@@ -553,8 +553,8 @@ class Scheduler:
             self.beam_finished.pop(req.request_id, None)
 
 
-def _member(r: Request) -> beam_search.Member:
-    return beam_search.Member(r.output_token_ids, r.cumulative_logprob, r.beam_candidates,
+def _member(r: Request) -> beams.Member:
+    return beams.Member(r.output_token_ids, r.cumulative_logprob, r.beam_candidates,
                               r.status == RequestStatus.RUNNING)
 
 
@@ -564,5 +564,5 @@ def _can_speculate(req: Request) -> bool:
             and not s.logit_bias
             and not (s.repetition_penalty != 1.0 or s.presence_penalty or s.frequency_penalty)
             # NOTE: budget closing checks each token as it is sampled; drafts skip that check
-            and not grammar_budget.closes_on_budget(req)
+            and not grammar.closes_on_budget(req)
             and req.num_output_tokens >= s.min_tokens and req.num_output_tokens > 0)

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 from engine.allocator import untouched_zeros
-from engine.forward_context import ForwardContext, forward_context
 from engine.models.llama import LlamaForCausalLM
-from engine.runner_rows import Row, RowStates
-from engine.sampler import Sampler, position_logprobs
+from engine.run.forward_context import ForwardContext, forward_context
+from engine.run.rows import Row, RowStates
+from engine.run.sampler import Sampler, position_logprobs
 from engine.step_plan import (
     BlockCopy,
     CopyKind,

@@ -12,12 +12,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.structured.errors import GrammarError
+from engine.sched.structured.errors import GrammarError
 from ipc.messages import GRAMMAR_COMPILE_BUCKETS
 from ipc.sampling import StructuredOutputs
 
 if TYPE_CHECKING:
-    from engine.structured.backend import Grammar
+    from engine.sched.structured.backend import Grammar
 
 
 @dataclass
@@ -92,7 +92,7 @@ class GrammarCompiler:
     def __init__(self, make_tokenizer: Callable[[], Any], timeout: float,
                  cache_size: int = 256, workers: int = 2, close_on_budget: bool = True) -> None:
         """close_on_budget: grammars' matchers close within their request's max_tokens
-        (engine/grammar_budget.py); off, a reply cut by max_tokens may end inside the JSON."""
+        (engine/sched/grammar.py); off, a reply cut by max_tokens may end inside the JSON."""
         self._make_tokenizer = make_tokenizer
         self._tokenizer: Any = None  # llguidance.LLTokenizer, built on the first compile
         self._close_on_budget = close_on_budget
@@ -124,7 +124,7 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 self._tokenizer = self._make_tokenizer()
                 if self._close_on_budget:
-                    from engine.structured.closing import Closer  # NOTE: llguidance, lazily
+                    from engine.sched.structured.closing import Closer  # NOTE: llguidance, lazily
 
                     self._closer = Closer(self._tokenizer)
             return self._tokenizer
@@ -133,7 +133,10 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, job: _Compile) -> None:
-        from engine.structured.backend import Grammar, grammar_text  # NOTE: llguidance, lazily
+        from engine.sched.structured.backend import (  # NOTE: llguidance, lazily
+            Grammar,
+            grammar_text,
+        )
 
         try:
             tokenizer = self.tokenizer()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from engine.request import Request
+from engine.sched.request import Request
 
 
 def closes_on_budget(req: Request) -> bool:

@@ -19,8 +19,8 @@ from ipc.messages import (
 from ipc.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.structured.backend import Matcher
-    from engine.structured.compiler import PendingGrammar
+    from engine.sched.structured.backend import Matcher
+    from engine.sched.structured.compiler import PendingGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -94,7 +94,7 @@ class Request:
         # consumes every output token, so it survives preemption by swap and by recompute)
         self.pending_grammar: PendingGrammar | None = None
         self.grammar: Matcher | None = None
-        # budget closing (engine/grammar_budget.py): the closing's length from the last planned
+        # budget closing (engine/sched/grammar.py): the closing's length from the last planned
         # state (None: none fits), and whether the closing is being forced now
         self.closing_length: int | None = None
         self.closing_forced = False

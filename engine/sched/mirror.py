@@ -3,8 +3,8 @@ choice in full once (NewRequest) and as diffs after (CachedRequest)."""
 
 from __future__ import annotations
 
-from engine.kv_manager import KVCacheManager
-from engine.request import Request
+from engine.sched.kv_manager import KVCacheManager
+from engine.sched.request import Request
 from engine.step_plan import CachedRequest, Diff, NewRequest, StepPlan
 
 

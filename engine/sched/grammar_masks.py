@@ -12,7 +12,7 @@ import numpy as np
 from engine.step_plan import GrammarMask
 
 if TYPE_CHECKING:
-    from engine.structured.backend import Matcher
+    from engine.sched.structured.backend import Matcher
 
 
 class GrammarMasks:
@@ -21,7 +21,7 @@ class GrammarMasks:
         self._masker = None
 
     def masker(self):
-        from engine.structured.backend import Masker  # NOTE: llguidance, lazily
+        from engine.sched.structured.backend import Masker  # NOTE: llguidance, lazily
 
         if self._masker is None:
             self._masker = Masker(self.vocab_size)

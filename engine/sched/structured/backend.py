@@ -10,8 +10,8 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
-from engine.structured.closing import Closer, Nesting
-from engine.structured.errors import GrammarError
+from engine.sched.structured.closing import Closer, Nesting
+from engine.sched.structured.errors import GrammarError
 from ipc.sampling import StructuredOutputs
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.request import Request
+from engine.sched.request import Request
 from engine.step_plan import BlockCopy, CopyKind, Diff
 from ipc.prefix_hash import BlockHash, hash_block  # NOTE: in ipc, so the gateway routes by it
 

@@ -13,14 +13,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine import spec_decode
+from engine.sched import speculation
 from ipc.messages import PositionLogprobs, TokenLogprob
 from ipc.sampling import SamplingParams
 from kernels import cpu_ops
 
 
 class SamplingRow(Protocol):
-    """What the sampler reads of a row (engine.runner_rows.Row is the one implementation)."""
+    """What the sampler reads of a row (engine.run.rows.Row is the one implementation)."""
 
     sampling: SamplingParams
     generator: torch.Generator | None  # its own seeded generator, or None: the shared one
@@ -175,7 +175,7 @@ class Sampler:
             logits = self._mask_drafts(logits, req.grammar_mask)
         target = logits if s.greedy else self.probs(logits, [s] * logits.shape[0])
         draft = req.spec_token_ids
-        n, token = spec_decode.verify(draft, target, req.spec_draft_probs, s.greedy,
+        n, token = speculation.verify(draft, target, req.spec_draft_probs, s.greedy,
                                       req.generator or self.generator)
         return draft[:n], token
 
