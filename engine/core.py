@@ -30,6 +30,7 @@ from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig, step_token_budget
 from ipc.messages import AddRequest, EngineStats, TokenDelta
 from ipc.model_source import resolve_model
+from ipc.prefix_hash import salt_bytes
 from kernels import auto_backend, get_backend
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class EngineCore:
             self.eos_token_ids,
             preemption,
         )
-        sampler = Sampler(self.eos_token_ids, config.seed, self.device)
+        sampler = Sampler(config.seed, self.device)
         self.attention_backend = (auto_backend(self.device.type, self.kv_dtype == self.dtype)
                                   if config.attention_backend == "auto"
                                   else config.attention_backend)  # the one that runs
@@ -224,7 +225,7 @@ class EngineCore:
         init = RunnerInit(self.num_gpu_blocks, self.block_size, self.max_model_len,
                           self.attention_backend, str(self.kv_dtype).removeprefix("torch."),
                           self.num_cpu_blocks, self.config.speculative_draft_layers,
-                          self.eos_token_ids, self.config.seed)
+                          self.config.seed)
         return TensorParallelRunner(runner, ranks, init)
 
     def _kv_window(self, config: EngineConfig, draft) -> int | None:
@@ -281,7 +282,7 @@ class EngineCore:
             raise ValueError(f"logit_bias token ids must be < {vocab}")
         choices = [
             Request(msg.request_id, list(prompt), s, max_tokens, msg.priority,
-                    msg.arrival_time or time.time(), (msg.cache_salt or "").encode(), index=i)
+                    msg.arrival_time or time.time(), salt_bytes(msg.cache_salt), index=i)
             for i in range(s.num_choices)
         ]
         choices[0].children = choices[1:]

@@ -57,6 +57,9 @@ class NewRequest(msgspec.Struct, frozen=True, gc=False):
     seed: int | None  # its own generator's seed (request seed + choice index); None: shared
     block_ids: list[int]  # its block table (NULL_BLOCK = -1 entries lie before a window)
     num_computed_tokens: int  # tokens whose K/V are in the cache (prefix-cache hits count)
+    # the tokens that end it (EOS unless ignore_eos, and stop_token_ids), sorted: the scheduler
+    # stops on them; the sampler bans them before min_tokens
+    end_token_ids: list[int] = []
 
 
 class CachedRequest(msgspec.Struct, frozen=True, gc=False):

@@ -21,14 +21,25 @@ def hash_block(parent: BlockHash | None, token_ids: list[int], extra: bytes = b"
     return h.digest()
 
 
+def salt_bytes(cache_salt: str | None) -> bytes:
+    """The extra key a request's cache_salt adds to each of its block hashes."""
+    return (cache_salt or "").encode()
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_size: int,
+                        extra: bytes = b"") -> list[BlockHash]:
+    """Append to `hashes` (the chain of the first len(hashes) full blocks of token_ids) the
+    hashes of the full blocks after them; returns `hashes`."""
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra))
+    return hashes
+
+
 def prompt_block_hashes(token_ids: list[int], block_size: int,
                         cache_salt: str | None = None) -> list[BlockHash]:
     """Hashes of every full block of a prompt, as the engine's prefix cache keys them."""
-    salt, hashes = (cache_salt or "").encode(), []
-    for i in range(len(token_ids) // block_size):
-        parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt))
-    return hashes
+    return extend_block_hashes([], token_ids, block_size, salt_bytes(cache_salt))
 
 
 def pack_digest(hashes: Iterable[BlockHash]) -> bytes:

@@ -125,6 +125,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def has_penalty(self) -> bool:
+        """A repetition, frequency or presence penalty applies (the sampler reads the output)."""
+        return bool(self.repetition_penalty != 1.0 or self.frequency_penalty
+                    or self.presence_penalty)
+
 
 def _finite(value: float) -> bool:
     return math.isfinite(value)

@@ -19,7 +19,6 @@ class RunnerInit(msgspec.Struct, tag="init", frozen=True):
     kv_dtype: str  # a torch dtype name: float32, bfloat16, float8_e4m3fn, ...
     num_cpu_blocks: int
     draft_layers: int | None  # the self draft's layers (the target's first ones)
-    eos_token_ids: list[int]
     seed: int  # the sampler's generator for requests without a seed, as on rank 0
 
 

@@ -97,6 +97,6 @@ def _runner(model: TensorParallelLlama, init: records.RunnerInit, device: torch.
 
     return ModelRunner(
         model, init.num_blocks, init.block_size, init.max_model_len,
-        Sampler(init.eos_token_ids, init.seed, device),
+        Sampler(init.seed, device),
         get_backend(init.attention_backend, device.type), device,
         getattr(torch, init.kv_dtype), init.num_cpu_blocks, draft_layers=init.draft_layers)

@@ -67,12 +67,6 @@ class ModelRunner:
             draft_model.init_rope(max_model_len, device)
             self.draft = Draft(draft_model, caches, cpu, None, True)
 
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block over all layers, K and V."""
-        k = self.kv_caches[0][0]
-        return 2 * len(self.kv_caches) * k[0].numel() * k.element_size()
-
     def _apply_plan(self, plan: StepPlan) -> None:
         """The plan's request entries and block copies, once per plan (propose and execute
         both come here first)."""

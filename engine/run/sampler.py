@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine.sched import speculation
+from engine.run.verify import verify as verify_drafts
 from ipc.messages import PositionLogprobs, TokenLogprob
 from ipc.sampling import SamplingParams
 from kernels import cpu_ops
@@ -27,6 +27,7 @@ class SamplingRow(Protocol):
     spec_token_ids: list[int]  # drafts to verify (verify only)
     spec_draft_probs: torch.Tensor | None  # [gamma, vocab], None: one-hot drafts
     grammar_mask: np.ndarray | None  # int32 [rows, ceil(vocab / 32)] allowed-token bits
+    end_token_ids: list[int]  # the tokens that end it (the plan's): banned before min_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]: ...
@@ -46,8 +47,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: Sequence[int], seed: int, device: torch.device) -> None:
-        self.eos_token_ids = list(eos_token_ids)
+    def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -66,7 +66,7 @@ class Sampler:
     # ---- logits processing -----------------------------------------------------------------
 
     def _apply_penalties(self, logits: torch.Tensor, requests: Rows) -> torch.Tensor:
-        rows = [i for i, r in enumerate(requests) if _has_penalty(r)]
+        rows = [i for i, r in enumerate(requests) if r.sampling.has_penalty]
         if not rows:
             return logits
         logits = logits.clone()
@@ -103,8 +103,7 @@ class Sampler:
             return logits
         logits = logits.clone()
         for i in rows:
-            s = requests[i].sampling
-            banned = list(s.stop_token_ids) + ([] if s.ignore_eos else self.eos_token_ids)
+            banned = requests[i].end_token_ids
             if banned:
                 logits[i, banned] = float("-inf")
         return logits
@@ -175,8 +174,8 @@ class Sampler:
             logits = self._mask_drafts(logits, req.grammar_mask)
         target = logits if s.greedy else self.probs(logits, [s] * logits.shape[0])
         draft = req.spec_token_ids
-        n, token = speculation.verify(draft, target, req.spec_draft_probs, s.greedy,
-                                      req.generator or self.generator)
+        n, token = verify_drafts(draft, target, req.spec_draft_probs, s.greedy,
+                                 req.generator or self.generator)
         return draft[:n], token
 
     def _mask_drafts(self, logits: torch.Tensor, mask: np.ndarray) -> torch.Tensor:
@@ -239,11 +238,6 @@ def _logprobs_wanted(r: SamplingRow) -> int | None:
     if s.logprobs is None and s.best_of:
         return 0  # NOTE: best_of ranks choices by their summed logprobs: the sampled one
     return s.logprobs
-
-
-def _has_penalty(r: SamplingRow) -> bool:
-    s = r.sampling
-    return bool(s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty)
 
 
 def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -6,7 +6,7 @@ tables that hold it (ref count = number of tables). Full blocks are registered i
 cache under a hash chain and stay there, even when free, until their block is reused.
 
 Block tables belong here, by choice key (engine.step_plan.choice_key): the scheduler asks for
-them by key, and `take_table_diff` says what changed since the runner last saw a table.
+them by key; what the runner holds of them is the runner mirror's (engine/sched/mirror.py).
 
 Sliding windows: when every layer of the model attends within a window, the blocks wholly
 before the window of a request's next query are released (to the back of the free queue:
@@ -19,12 +19,16 @@ block table, and the global layers read every token.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from engine.sched.request import Request
-from engine.step_plan import BlockCopy, CopyKind, Diff
-from ipc.prefix_hash import BlockHash, hash_block  # NOTE: in ipc, so the gateway routes by it
+from engine.step_plan import BlockCopy, CopyKind
+
+# NOTE: in ipc, so the gateway routes by the same hashes
+from ipc.prefix_hash import BlockHash, extend_block_hashes
 
 NULL_BLOCK = -1  # a table entry whose block was released: it lies before the window
+_NO_TABLE: list[int] = []  # NOTE: what table() returns for a choice holding none; never written
 
 
 def held(block_ids: list[int]) -> list[int]:
@@ -123,11 +127,6 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}  # key -> block table (device pool)
         self._cpu_tables: dict[str, list[int]] = {}  # key -> its table while swapped out
         self._registered: dict[str, int] = {}  # key -> leading blocks in the prefix cache
-        # what the runner holds of each table: its length, and how many leading entries of
-        # it are still right (a rewrite lowers this)
-        self._sent_len: dict[str, int] = {}
-        self._clean: dict[str, int] = {}
-        self._changed: set[str] = set()  # keys whose table changed since take_table_diff
 
     @property
     def num_free_blocks(self) -> int:
@@ -151,43 +150,21 @@ class KVCacheManager:
         """A copy of its table in the CPU pool ([] unless swapped out)."""
         return list(self._cpu_tables.get(key, ()))
 
+    def table(self, key: str) -> Sequence[int]:
+        """The choice's block table as it is now, not a copy: read it, never keep it."""
+        return self._tables.get(key, _NO_TABLE)
+
     def num_blocks(self, key: str) -> int:
         return len(self._tables.get(key, ()))
 
     def is_swapped(self, key: str) -> bool:
         return key in self._cpu_tables
 
-    def take_table_diff(self, key: str) -> Diff | None:
-        """What the runner must change in its copy of the table (None: nothing); the runner is
-        then assumed to hold the table as it is now."""
-        if key not in self._changed:
-            return None
-        self._changed.discard(key)
-        table = self._tables.get(key, [])
-        clean = min(self._clean.get(key, 0), len(table))
-        if clean == len(table) == self._sent_len.get(key, 0):
-            return None
-        self._sent_len[key] = self._clean[key] = len(table)
-        return Diff(clean, table[clean:])
-
-    def forget(self, key: str) -> None:
-        """The runner dropped the choice (it finished): no table to mirror any more."""
-        self._sent_len.pop(key, None)
-        self._clean.pop(key, None)
-        self._changed.discard(key)
-
-    def _dirty(self, key: str, index: int) -> None:
-        """Table entries from `index` on changed in place (not appended)."""
-        self._changed.add(key)
-        if key in self._clean:
-            self._clean[key] = min(self._clean[key], index)
-
     def _set_table(self, key: str, table: list[int]) -> None:
         if table:
             self._tables[key] = table
         else:
             self._tables.pop(key, None)
-        self._dirty(key, 0)
 
     # ---- sizes -----------------------------------------------------------------------------
 
@@ -218,19 +195,14 @@ class KVCacheManager:
         old = held(table[:n])
         if old:
             self.pool.release(old)
-            first = table.index(old[0])
             table[:n] = [NULL_BLOCK] * n
-            self._dirty(req.key, first)
 
     # ---- prefix cache ----------------------------------------------------------------------
 
     def block_hashes(self, req: Request) -> list[BlockHash]:
         """Hashes of the request's full blocks, extended as its tokens grow."""
-        bs, hashes, tokens = self.block_size, req.block_hashes, req.all_token_ids
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], req.cache_salt))
-        return hashes
+        return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size,
+                                   req.cache_salt)
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Block ids of the longest cached prefix; the last token is always left to compute."""
@@ -290,13 +262,11 @@ class KVCacheManager:
         self.pool.touch(cached_blocks)
         table.extend(cached_blocks)
         if cow is not None:
-            self._copy_on_write(req.key, table, cow)
+            self._copy_on_write(table, cow)
         if need:
             table.extend(self.pool.take(need) or [])
         if table:
             self._tables[req.key] = table
-        if need or cached_blocks:
-            self._changed.add(req.key)
         return True
 
     def _fits(self, req: Request, num_new_tokens: int) -> bool:
@@ -318,13 +288,12 @@ class KVCacheManager:
             return idx
         return None
 
-    def _copy_on_write(self, key: str, table: list[int], idx: int) -> None:
+    def _copy_on_write(self, table: list[int], idx: int) -> None:
         (fresh,) = self.pool.take(1)
         old = table[idx]
         self.pending_copies.append(BlockCopy(CopyKind.GPU_TO_GPU, old, fresh))
         self.pool.release([old])
         table[idx] = fresh
-        self._dirty(key, idx)
 
     def trim(self, req: Request) -> None:
         """Give back blocks past the computed tokens (the slots of rejected draft tokens)."""
@@ -333,7 +302,6 @@ class KVCacheManager:
         if len(table) > keep:
             self.pool.release(list(reversed(table[keep:])))
             del table[keep:]
-            self._dirty(req.key, keep)
             if not table:
                 del self._tables[req.key]
 
@@ -348,7 +316,6 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         # NOTE: tail first, so a chain's tail is evicted before its head.
         self.pool.release(list(reversed(self._tables.pop(req.key, []))))
-        self._dirty(req.key, 0)
         self._registered.pop(req.key, None)
         cpu = self._cpu_tables.pop(req.key, None)
         if cpu and self.cpu_pool:
@@ -372,7 +339,6 @@ class KVCacheManager:
                                 for g, c in zip(gpu, cpu, strict=True)]
         self.pool.release(list(reversed(gpu)))
         self._cpu_tables[req.key] = _refill(table, cpu)
-        self._dirty(req.key, 0)
         self._registered.pop(req.key, None)
 
     def blocks_to_swap_in(self, req: Request, num_new_tokens: int) -> int:

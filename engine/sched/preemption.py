@@ -14,6 +14,14 @@ RECOMPUTE = "recompute"
 _RATES = {"cpu": (5e9, 2e11), "cuda": (2.5e10, 4e14)}  # (copy bytes/s, FLOP/s)
 
 
+@dataclass
+class PreemptionStats:
+    swap: int = 0
+    recompute: int = 0
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+
+
 @dataclass(frozen=True)
 class PreemptionCost:
     block_bytes: int  # bytes of one block over all layers, K and V

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.step_plan import choice_key
@@ -50,6 +51,16 @@ FINISH_REASONS = {
 _arrival_counter = itertools.count()
 
 
+@dataclass
+class Closing:
+    """A choice's budget-closing state; engine/sched/grammar.py alone writes it."""
+
+    length: int | None = None  # the closing's length from the last planned state; None: none fits
+    forced: bool = False  # the closing is being forced now
+    # (output tokens, closing): the closing found from the state after that many outputs
+    after: tuple[int, list[int] | None] = (-1, None)
+
+
 class Request:
     def __init__(
         self,
@@ -80,10 +91,8 @@ class Request:
         self.cumulative_logprob = 0.0  # sum of the sampled tokens' logprobs (best_of, beams)
         self.children: list[Request] = []  # the other n - 1 choices, forked after the prompt
         self.beam_candidates: list[tuple[int, float]] | None = None  # (token, logprob), top 2k
-        self.spec_token_ids: list[int] = []  # draft tokens verified in this step
-        self.spec_gamma: int | None = None  # adaptive; None until the request first speculates
-        self.spec_ema = 0.5  # recent acceptance rate
-        self.spec_idle = 0  # plain steps since gamma fell to 0
+        # EOS and stop_token_ids unless ignore_eos: set once at admission (engine/sched/stopping.py)
+        self.end_token_ids: frozenset[int] = frozenset()
         self.stop_reason: int | None = None
         # with sampling.prompt_logprobs, on choice 0 (the one that computes the prompt): those
         # computed so far (prompt tokens 1 ..), until they are sent with its first token
@@ -94,12 +103,7 @@ class Request:
         # consumes every output token, so it survives preemption by swap and by recompute)
         self.pending_grammar: PendingGrammar | None = None
         self.grammar: Matcher | None = None
-        # budget closing (engine/sched/grammar.py): the closing's length from the last planned
-        # state (None: none fits), and whether the closing is being forced now
-        self.closing_length: int | None = None
-        self.closing_forced = False
-        # (output tokens, closing): the closing found from the state after that many outputs
-        self.closing_after: tuple[int, list[int] | None] = (-1, None)
+        self.closing = Closing()  # budget closing's state (engine/sched/grammar.py)
         self.error: str | None = None  # with FINISHED_ERROR: why
         self.error_param: str | None = None  # and the request field at fault
         self.num_preemptions = 0

@@ -1,6 +1,10 @@
 """Continuous batching by token budget: every request catches its computed tokens up to its
 tokens, so chunked prefill, prefix-cache hits and decode are one rule. Preemption (swap or
 recompute) is what happens when the KV manager cannot make room.
+
+The scheduler owns that rule and its verbs (admit, allocate, preempt, fork, finish, abort); the
+policies beside it decide, and it applies their decisions: speculation.py (drafts), beams.py,
+grammar.py (masks, budget closing), stopping.py, preemption.py (swap or recompute).
 """
 
 from __future__ import annotations
@@ -11,31 +15,25 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.sched import beams, grammar, speculation
+from engine.sched import beams
 from engine.sched.deltas import beam_deltas, delta
-from engine.sched.grammar_masks import GrammarMasks
+from engine.sched.grammar import Grammars
 from engine.sched.kv_manager import KVCacheManager, held
 from engine.sched.mirror import RunnerMirror
-from engine.sched.preemption import SWAP, PreemptionCost
+from engine.sched.preemption import SWAP, PreemptionCost, PreemptionStats
 from engine.sched.request import Request, RequestStatus
+from engine.sched.speculation import SpecConfig, SpecStats, Speculation
+from engine.sched.stopping import Stopping
 from engine.step_plan import (
     DraftProposals,
     PromptLogprobsSpan,
     RunnerOutput,
+    Sampled,
     SampleRow,
     StepPlan,
     decode_first,
 )
-from ipc.messages import TokenDelta
-from ipc.sampling import SamplingParams
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    method: str  # ngram | self
-    num_tokens: int  # gamma at most
-    lookup_max: int = 4  # ngram sizes tried, longest first
-    lookup_min: int = 1
+from ipc.messages import PositionLogprobs, TokenDelta
 
 
 @dataclass(frozen=True)
@@ -45,14 +43,6 @@ class SchedulerConfig:
     max_model_len: int
     spec: SpecConfig | None = None
     vocab_size: int | None = None  # the logits' width: grammar masks need it
-
-
-@dataclass
-class PreemptionStats:
-    swap: int = 0
-    recompute: int = 0
-    swap_out_blocks: int = 0
-    swap_in_blocks: int = 0
 
 
 class Scheduler:
@@ -65,8 +55,10 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.kv = kv
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stopping = Stopping(eos_token_ids, config.max_model_len)
         self.preemption = preemption or PreemptionCost(0, 0.0, "cpu", "recompute")
+        self.speculation = Speculation(config.spec, config.max_model_len)
+        self.grammars = Grammars(config.vocab_size or 0, config.max_model_len)
         self.running: list[Request] = []  # sorted by sort_key
         self.swapped: list[Request] = []  # sorted by sort_key; they return before admissions
         self._waiting: list[tuple[tuple, Request]] = []  # heap by sort_key
@@ -74,10 +66,8 @@ class Scheduler:
         self.groups: dict[str, list[Request]] = {}  # request id -> its live choices
         self.beam_finished: dict[str, list[beams.Hypothesis]] = {}  # ended hypotheses
         self.preemptions = PreemptionStats()
-        self.spec_stats = speculation.SpecStats()
         self._by_key: dict[str, Request] = {}  # every live choice by its key
         self._mirror = RunnerMirror(kv)
-        self._masks = GrammarMasks(config.vocab_size or 0)
         self._step = 0
 
     # ---- queue ---------------------------------------------------------------------------
@@ -90,6 +80,10 @@ class Scheduler:
     def num_preemptions(self) -> int:
         return self.preemptions.swap + self.preemptions.recompute
 
+    @property
+    def spec_stats(self) -> SpecStats:
+        return self.speculation.stats
+
     def has_unfinished(self) -> bool:
         return bool(self.groups)
 
@@ -100,7 +94,9 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a request; its other choices (request.children) fork after its prompt."""
         self.groups[request.request_id] = [request, *request.children]
+        ends = self.stopping.end_tokens(request.sampling)  # NOTE: once, for every choice
         for choice in self.groups[request.request_id]:
+            choice.end_token_ids = ends
             self._by_key[choice.key] = choice
         if request.pending_grammar is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -169,9 +165,9 @@ class Scheduler:
         draft tokens (with their grammar masks), verified by the same plan's execute."""
         for key, drafts in proposals.token_ids.items():
             assert len(drafts) == plan.self_drafts[key], "the runner proposes gamma tokens"
-            self._by_key[key].spec_token_ids = list(drafts)
             plan.spec_token_ids[key] = list(drafts)
-        self._plan_masks(plan, [r.key for r in plan.sampling if r.key in plan.self_drafts])
+        drafting = [self._by_key[r.key] for r in plan.sampling if r.key in plan.self_drafts]
+        plan.grammar_masks.update(self.grammars.masks(drafting, plan.spec_token_ids))
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         i = 0
@@ -182,7 +178,7 @@ class Scheduler:
                 i += 1
                 continue
             if n == 1 and budget > 1:
-                n += self._plan_speculation(req, budget - 1, plan)
+                n += self._plan_drafts(req, budget - 1, plan)
             if not self._allocate_or_preempt(req, n, plan):
                 plan.self_drafts.pop(req.key, None)
                 plan.spec_token_ids.pop(req.key, None)
@@ -192,6 +188,17 @@ class Scheduler:
             i += 1
         return budget
 
+    def _plan_drafts(self, req: Request, room: int, plan: StepPlan) -> int:
+        """The speculation policy's drafts for a decoding choice, into the plan."""
+        proposal = self.speculation.propose(req, room)
+        if proposal is None:
+            return 0
+        if proposal.gamma:
+            plan.self_drafts[req.key] = proposal.gamma
+        else:
+            plan.spec_token_ids[req.key] = list(proposal.tokens)
+        return proposal.num_tokens
+
     def _allocate_or_preempt(self, req: Request, n: int, plan: StepPlan) -> bool:
         while not self.kv.allocate_slots(req, n):
             victim = self.running[-1]  # lowest priority, newest
@@ -200,34 +207,6 @@ class Scheduler:
             if victim is req:
                 return False
         return True
-
-    def _plan_speculation(self, req: Request, room: int, plan: StepPlan) -> int:
-        """Draft tokens for a decoding request (0 when it does not speculate now)."""
-        spec = self.config.spec
-        if spec is None or not _can_speculate(req):
-            return 0
-        if req.spec_gamma is None:
-            req.spec_gamma = spec.num_tokens
-        left = min(req.max_tokens - req.num_output_tokens,
-                   self.config.max_model_len - req.num_tokens) - 1
-        gamma = min(speculation.next_gamma(req, spec.num_tokens), room, left)
-        if gamma <= 0:
-            return 0
-        if spec.method != "ngram":
-            # NOTE: the runner's draft proposes them in the first phase of this step
-            # (Runner.propose, then attach_drafts): no placeholder tokens here
-            plan.self_drafts[req.key] = gamma
-            return gamma
-        drafts = speculation.ngram_propose(req.all_token_ids, gamma, spec.lookup_max,
-                                           spec.lookup_min)
-        if req.grammar is not None:
-            # NOTE: a lookup proposal is a function of the context alone, so cutting it
-            # where the grammar would refuse it keeps verification exact.
-            drafts = drafts[: req.grammar.valid_prefix(drafts)]
-        req.spec_token_ids = drafts
-        if drafts:
-            plan.spec_token_ids[req.key] = list(drafts)
-        return len(drafts)
 
     def _swap_in(self, plan: StepPlan, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -280,7 +259,7 @@ class Scheduler:
         """For each scheduled choice, in the runner's order (decodes first): its runner entry,
         its prompt-logprob span, and whether it samples (then its forked choices too: n > 1
         choices sample from its logits); then the grammar masks of those that sample."""
-        masked: list[str] = []
+        masked: list[Request] = []
         for key in decode_first(plan):
             req = self._by_key[key]
             n = plan.num_scheduled_tokens[key]
@@ -291,7 +270,7 @@ class Scheduler:
                     k = req.sampling.prompt_logprobs
                     assert k is not None
                     plan.prompt_logprobs[key] = PromptLogprobsSpan(span.start, span.stop, k)
-            drafts = len(req.spec_token_ids) or plan.self_drafts.get(key, 0)
+            drafts = len(plan.spec_token_ids.get(key, ())) or plan.self_drafts.get(key, 0)
             if req.num_computed_tokens + n != req.num_tokens + drafts:
                 continue  # a prefill chunk that does not reach the end yet
             plan.sampling.append(SampleRow(key, key))
@@ -299,32 +278,141 @@ class Scheduler:
                 plan.sampling.append(SampleRow(child.key, key))
                 self._mirror.add_to(plan, child)
             if req.grammar is not None and key not in plan.self_drafts:
-                masked += [key] + [c.key for c in req.children]
+                masked += [req, *req.children]
         if masked:
-            self._plan_masks(plan, masked)
+            plan.grammar_masks.update(self.grammars.masks(masked, plan.spec_token_ids))
 
-    def _plan_masks(self, plan: StepPlan, keys: list[str]) -> None:
-        """The grammar's allowed tokens at each sampling position of these choices."""
-        plain, with_drafts = [], []
-        for key in keys:
+    # ---- update ----------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, output: RunnerOutput | None) -> list[TokenDelta]:
+        """Advance progress and cache full blocks; then take the runner's output: prompt
+        logprobs, forks, each sampled row's tokens (finishing what stopped), beam steps."""
+        scheduled = [self._by_key[key] for key in plan.num_scheduled_tokens]
+        for req, n in zip(scheduled, plan.num_scheduled_tokens.values(), strict=True):
+            req.num_computed_tokens += n
+        if output is not None:
+            self._settle_speculation(plan, output)
+        for req in scheduled:
+            self.kv.cache_full_blocks(req)
+        if output is None:
+            return []
+        for key, positions in output.prompt_logprobs.items():
+            self._by_key[key].prompt_logprobs.extend(positions)  # type: ignore[union-attr]
+        rows = [(self._by_key[r.key], self._by_key[r.logits_key]) for r in plan.sampling]
+        for req, parent in rows:
+            if req is not parent:  # fork every choice before any of them may finish
+                self._fork(parent, req)
+        deltas: list[TokenDelta] = []
+        beam_groups: set[str] = set()
+        for req, _ in rows:
+            req.children = []
+            sampled = output.sampled[req.key]
+            if req.sampling.use_beam_search and not sampled.accepted:
+                assert sampled.logprobs is not None
+                req.beam_candidates = [(t.token_id, t.logprob) for t in sampled.logprobs.top]
+                beam_groups.add(req.request_id)
+            elif (found := self._take_sampled(req, sampled)) is not None:
+                deltas.append(found)
+        for rid in beam_groups:
+            deltas += self._beam_step(rid)
+        return deltas
+
+    def _take_sampled(self, req: Request, sampled: Sampled) -> TokenDelta | None:
+        """A row's accepted drafts and sampled token, appended (None: the token was refused)."""
+        if sampled.accepted:
+            return self._append(req, [*sampled.accepted, sampled.token_id])
+        token, logprobs = sampled.token_id, sampled.logprobs
+        if self.grammars.refuses(req, token):
+            # NOTE: the refused token's K/V is not written yet (the next step would write
+            # it), so the choice steps back one computed position: its last token's K/V is
+            # written again, with the values it has; the next mask forces the closing
+            req.num_computed_tokens -= 1
+            return None
+        if logprobs is not None:
+            req.cumulative_logprob += logprobs.logprob
+        return self._append(req, [token], None if req.sampling.logprobs is None else [logprobs])
+
+    def _append(self, req: Request, tokens: list[int],
+                logprobs: list[PositionLogprobs | None] | None = None) -> TokenDelta:
+        """Append tokens (one sampled, or accepted drafts and the one after them), stopping
+        where a stop rule says; their delta."""
+        kept: list[int] = []
+        for token in tokens:
+            req.append_token(token)
+            kept.append(token)
+            stop = self.stopping.check(req, token)
+            if stop is not None:
+                self._finish(req, stop.status, stop.stop_reason)
+                break
+        return delta(req, kept, logprobs)
+
+    def _settle_speculation(self, plan: StepPlan, output: RunnerOutput) -> None:
+        """Apply verification: roll back the KV of rejected drafts and count them."""
+        if not plan.spec_token_ids:
+            return
+        for row in plan.sampling:
+            drafts = plan.spec_token_ids.get(row.key)
+            if not drafts:
+                continue
+            req, accepted = self._by_key[row.key], len(output.sampled[row.key].accepted)
+            # NOTE: their K/V slots were written; dropping them from the computed count
+            # means the next step overwrites them, and trim() gives back emptied blocks.
+            req.num_computed_tokens -= self.speculation.settle(req.key, len(drafts), accepted)
+            req.num_spec_draft_tokens += len(drafts)
+            req.num_spec_accepted_tokens += accepted
+            self.kv.trim(req)
+
+    def num_prompt_tokens_in(self, plan: StepPlan) -> int:
+        """Prompt tokens the plan computes (call before update)."""
+        total = 0
+        for key, n in plan.num_scheduled_tokens.items():
             req = self._by_key[key]
-            if req.grammar is not None:
-                (with_drafts if req.spec_token_ids else plain).append(req)
-        if plain:
-            masks = self._masks.plain([r.grammar for r in plain])  # type: ignore[misc]
-            plan.grammar_masks.update((r.key, m) for r, m in zip(plain, masks, strict=True))
-        for req in plain:
-            if grammar.closes_on_budget(req):
-                token = grammar.forced_token(req, self.config.max_model_len)
-                if token is not None:
-                    plan.grammar_masks[req.key] = self._masks.only(token)
-        for req in with_drafts:
-            assert req.grammar is not None
-            plan.grammar_masks[req.key] = self._masks.with_drafts(req.grammar,
-                                                                  req.spec_token_ids)
+            total += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
+        return total
+
+    # ---- beam search -----------------------------------------------------------------------
+
+    def _beam_step(self, rid: str) -> list[TokenDelta]:
+        """Apply the beam module's decisions for the group (beams.plan_step)."""
+        group = self.groups[rid]
+        s = group[0].sampling
+        step = beams.plan_step([_member(r) for r in group], s.n, group[0].end_token_ids,
+                               s.min_tokens)
+        if step is None:
+            return []
+        self.beam_finished.setdefault(rid, []).extend(step.ended)
+        for i in step.park:
+            self._park(group[i])
+        for spare, parent in step.forks:
+            group[spare].become_copy_of(group[parent])
+            self._mirror.rewrite_tokens(group[spare], group[spare].num_prompt_tokens)
+            self._fork(group[parent], group[spare])
+        for i, token, score in step.append:
+            group[i].append_token(token)
+            group[i].cumulative_logprob = score
+        live = [group[i] for i, _, _ in step.append]
+        for r in group:
+            r.beam_candidates = None
+        return self._beam_finish_if_done(rid, live)
+
+    def _beam_finish_if_done(self, rid: str, live: list[Request]) -> list[TokenDelta]:
+        group = self.groups[rid]
+        s = group[0].sampling
+        at_limit = bool(live) and (
+            max(r.num_output_tokens for r in live) >= max(r.max_tokens for r in live)
+            or max(r.num_tokens for r in live) >= self.config.max_model_len)
+        top = beams.final(self.beam_finished[rid], [_member(r) for r in live], s.n,
+                          s.length_penalty, at_limit)
+        if top is None:
+            return []
+        members = list(group)
+        for r in members:
+            self._finish(r, RequestStatus.FINISHED_STOPPED)  # the last one drops the group
+        return beam_deltas(rid, top, members)
+
+    # ---- verbs -----------------------------------------------------------------------------
 
     def _preempt(self, req: Request) -> None:
-        self._drop_speculation(req)
         self.running.remove(req)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -345,165 +433,12 @@ class Scheduler:
         req.num_computed_tokens = 0
         heapq.heappush(self._waiting, (req.sort_key, req))
 
-    # ---- update ----------------------------------------------------------------------------
-
-    def update(self, plan: StepPlan, output: RunnerOutput | None) -> list[TokenDelta]:
-        """Advance progress, fork choices, append sampled tokens, finish what stopped."""
-        scheduled = [self._by_key[key] for key in plan.num_scheduled_tokens]
-        for req, n in zip(scheduled, plan.num_scheduled_tokens.values(), strict=True):
-            req.num_computed_tokens += n
-        if output is not None:
-            self._settle_speculation(plan, output)
-        for req in scheduled:
-            self.kv.cache_full_blocks(req)
-        if output is None:
-            return []
-        for key, positions in output.prompt_logprobs.items():
-            self._by_key[key].prompt_logprobs.extend(positions)  # type: ignore[union-attr]
-        rows = [(self._by_key[r.key], self._by_key[r.logits_key]) for r in plan.sampling]
-        for req, parent in rows:
-            if req is not parent:  # fork every choice before any of them may finish
-                self._fork(parent, req)
-        deltas = []
-        beam_groups: set[str] = set()
-        for req, _ in rows:
-            sampled = output.sampled[req.key]
-            token, logprobs = sampled.token_id, sampled.logprobs
-            req.children = []
-            if sampled.accepted:
-                deltas.append(self._append_accepted(req, sampled.accepted + [token]))
-                continue
-            if req.sampling.use_beam_search:
-                assert logprobs is not None
-                req.beam_candidates = [(t.token_id, t.logprob) for t in logprobs.top]
-                beam_groups.add(req.request_id)
-                continue
-            if self._refuse_for_closing(req, token):
-                continue
-            if logprobs is not None:
-                req.cumulative_logprob += logprobs.logprob
-            req.append_token(token)
-            status = self._check_stop(req, token)
-            if status is not None:
-                self._finish(req, status)
-            shown = None if req.sampling.logprobs is None else [logprobs]
-            deltas.append(delta(req, [token], shown))
-        for rid in beam_groups:
-            deltas += self._beam_step(rid)
-        return deltas
-
-    def _refuse_for_closing(self, req: Request, token: int) -> bool:
-        """Budget closing: a token after which the grammar cannot close in time is dropped
-        and its position computed again, with the closing forced (engine/sched/grammar.py).
-
-        NOTE: the sampled token's K/V is not written yet (the next step would write it), so
-        the choice only steps back one computed position: its last token's K/V is written
-        again, with the values it has."""
-        if not grammar.closes_on_budget(req):
-            return False
-        if not grammar.refuses(req, token, self.end_tokens(req.sampling),
-                                      self.config.max_model_len):
-            return False
-        req.num_computed_tokens -= 1
-        req.closing_forced = True
-        return True
-
-    def end_tokens(self, s: SamplingParams) -> frozenset[int]:
-        """The tokens that end a choice: its stop_token_ids, and EOS unless ignore_eos."""
-        return frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos
-                                              else self.eos_token_ids)
-
-    def num_prompt_tokens_in(self, plan: StepPlan) -> int:
-        """Prompt tokens the plan computes (call before update)."""
-        total = 0
-        for key, n in plan.num_scheduled_tokens.items():
-            req = self._by_key[key]
-            total += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
-        return total
-
-    # ---- beam search -----------------------------------------------------------------------
-
-    def _beam_step(self, rid: str) -> list[TokenDelta]:
-        """Apply the beam module's decisions for the group (beams.plan_step)."""
-        group = self.groups[rid]
-        s = group[0].sampling
-        step = beams.plan_step([_member(r) for r in group], s.n, self.end_tokens(s),
-                                     s.min_tokens)
-        if step is None:
-            return []
-        self.beam_finished.setdefault(rid, []).extend(step.ended)
-        for i in step.park:
-            self._park(group[i])
-        for spare, parent in step.forks:
-            group[spare].become_copy_of(group[parent])
-            self._mirror.rewrite_tokens(group[spare], group[spare].num_prompt_tokens)
-            self._fork(group[parent], group[spare])
-        for i, token, score in step.append:
-            group[i].append_token(token)
-            group[i].cumulative_logprob = score
-        live = [group[i] for i, _, _ in step.append]
-        for r in group:
-            r.beam_candidates = None
-        return self._beam_finish_if_done(rid, live)
-
     def _park(self, req: Request) -> None:
         """A beam with no continuation keeps its place (index) in the group but no blocks."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.WAITING
-
-    def _beam_finish_if_done(self, rid: str, live: list[Request]) -> list[TokenDelta]:
-        group = self.groups[rid]
-        s = group[0].sampling
-        at_limit = bool(live) and (
-            max(r.num_output_tokens for r in live) >= max(r.max_tokens for r in live)
-            or max(r.num_tokens for r in live) >= self.config.max_model_len)
-        top = beams.final(self.beam_finished[rid], [_member(r) for r in live], s.n,
-                                s.length_penalty, at_limit)
-        if top is None:
-            return []
-        members = list(group)
-        for r in members:
-            self._finish(r, RequestStatus.FINISHED_STOPPED)  # the last one drops the group
-        return beam_deltas(rid, top, members)
-
-    # ---- speculative decoding ---------------------------------------------------------------
-
-    def _settle_speculation(self, plan: StepPlan, output: RunnerOutput) -> None:
-        """Roll back the KV of rejected drafts, count, and adapt each request's gamma."""
-        spec = self.config.spec
-        if not plan.spec_token_ids:
-            return
-        for row in plan.sampling:
-            req, accepted = self._by_key[row.key], output.sampled[row.key].accepted
-            proposed = len(req.spec_token_ids)
-            if not proposed:
-                continue
-            # NOTE: their K/V slots were written; dropping them from the computed count
-            # means the next step overwrites them, and trim() gives back emptied blocks.
-            req.num_computed_tokens -= proposed - len(accepted)
-            self.spec_stats.record(proposed, len(accepted))
-            req.num_spec_draft_tokens += proposed
-            req.num_spec_accepted_tokens += len(accepted)
-            speculation.adapt_gamma(req, proposed, len(accepted), spec.num_tokens)
-            self._drop_speculation(req)
-            self.kv.trim(req)
-
-    def _append_accepted(self, req: Request, tokens: list[int]) -> TokenDelta:
-        """Append accepted drafts and the token after them, stopping where a stop rule says."""
-        kept: list[int] = []
-        for token in tokens:
-            req.append_token(token)
-            kept.append(token)
-            status = self._check_stop(req, token)
-            if status is not None:
-                self._finish(req, status)
-                break
-        return delta(req, kept)
-
-    def _drop_speculation(self, req: Request) -> None:
-        req.spec_token_ids = []
 
     def _fork(self, parent: Request, child: Request) -> None:
         self.kv.fork(parent, child)
@@ -513,23 +448,8 @@ class Scheduler:
         child.status = RequestStatus.RUNNING
         bisect.insort(self.running, child, key=lambda r: r.sort_key)
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        s = req.sampling
-        if req.error is not None:
-            return RequestStatus.FINISHED_ERROR
-        if req.num_output_tokens > s.min_tokens:
-            if not s.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in s.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if req.grammar is not None and req.grammar.stopped:
-            return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus,
+                stop_reason: int | None = None) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING_FOR_GRAMMAR:
@@ -542,9 +462,12 @@ class Scheduler:
             self._waiting.remove((req.sort_key, req))
             heapq.heapify(self._waiting)
         req.status = status
+        if stop_reason is not None:
+            req.stop_reason = stop_reason
         req.finished_time = time.time()
         self.kv.free(req)
         self._mirror.finished(req.key)
+        self.speculation.forget(req.key)
         del self._by_key[req.key]
         group = self.groups[req.request_id]
         group.remove(req)
@@ -555,14 +478,4 @@ class Scheduler:
 
 def _member(r: Request) -> beams.Member:
     return beams.Member(r.output_token_ids, r.cumulative_logprob, r.beam_candidates,
-                              r.status == RequestStatus.RUNNING)
-
-
-def _can_speculate(req: Request) -> bool:
-    s = req.sampling
-    return (s.n == 1 and not s.best_of and not s.use_beam_search and s.logprobs is None
-            and not s.logit_bias
-            and not (s.repetition_penalty != 1.0 or s.presence_penalty or s.frequency_penalty)
-            # NOTE: budget closing checks each token as it is sampled; drafts skip that check
-            and not grammar.closes_on_budget(req)
-            and req.num_output_tokens >= s.min_tokens and req.num_output_tokens > 0)
+                        r.status == RequestStatus.RUNNING)

@@ -1,19 +1,28 @@
-"""Speculative decoding: the n-gram proposer, the accept/reject rule that keeps the target's
-distribution exactly, and per-request adaptive gamma. The self-draft proposer runs in the
-runner (it needs the model); its proposals come here to be verified like any other.
+"""The speculation policy on the scheduling side: which choices draft, how many tokens (an
+adaptive gamma per choice), the n-gram proposer, and what a verify step's result means. The
+verification math is the runner's (engine/run/verify.py); the self draft proposes there too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+from engine.sched import grammar
+from engine.sched.request import Request
 
 # Adaptive gamma: an exponential average of the acceptance rate halves gamma when drafts are
 # mostly rejected (0 stops speculating) and raises it by one when they are accepted.
 _EMA = 0.5
 _LOW, _HIGH = 0.35, 0.7
 _PROBE_EVERY = 32  # plain decode steps before a request that stopped speculating tries again
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str  # ngram | self | draft
+    num_tokens: int  # gamma at most
+    lookup_max: int = 4  # ngram sizes tried, longest first
+    lookup_min: int = 1
 
 
 @dataclass
@@ -33,6 +42,82 @@ class SpecStats:
             self.accepted_by_position[i] += 1
 
 
+@dataclass
+class GammaState:
+    """One choice's adaptive gamma (kept by key from its first speculation)."""
+
+    gamma: int
+    ema: float = 0.5  # recent acceptance rate
+    idle: int = 0  # plain steps since gamma fell to 0
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Drafts for one choice this step: `tokens` (n-gram lookup), or `gamma` tokens that the
+    runner's own draft proposes first (self or draft model; then `tokens` is empty)."""
+
+    tokens: list[int]
+    gamma: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.gamma or len(self.tokens)
+
+
+class Speculation:
+    """Decides drafts (`propose`) and reads verification (`settle`); the scheduler applies both
+    (plan entries, computed-token rollback, block trimming)."""
+
+    def __init__(self, config: SpecConfig | None, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecStats()
+        self._gamma: dict[str, GammaState] = {}  # by choice key
+
+    def propose(self, req: Request, room: int) -> Proposal | None:
+        """Drafts for a decoding choice with `room` tokens of budget after its own (None when
+        it does not speculate now)."""
+        spec = self.config
+        if spec is None or not can_speculate(req):
+            return None
+        state = self._gamma.setdefault(req.key, GammaState(spec.num_tokens))
+        left = min(req.max_tokens - req.num_output_tokens,
+                   self.max_model_len - req.num_tokens) - 1
+        gamma = min(next_gamma(state), room, left)
+        if gamma <= 0:
+            return None
+        if spec.method != "ngram":
+            # NOTE: the runner's draft proposes them in the first phase of this step
+            # (Runner.propose, then Scheduler.attach_drafts): no placeholder tokens here
+            return Proposal([], gamma)
+        drafts = ngram_propose(req.all_token_ids, gamma, spec.lookup_max, spec.lookup_min)
+        if req.grammar is not None:
+            # NOTE: a lookup proposal is a function of the context alone, so cutting it
+            # where the grammar would refuse it keeps verification exact.
+            drafts = drafts[: req.grammar.valid_prefix(drafts)]
+        return Proposal(drafts) if drafts else None
+
+    def settle(self, key: str, proposed: int, accepted: int) -> int:
+        """Count a verify step and adapt the choice's gamma; returns how many computed
+        positions (the rejected drafts') the scheduler rolls back."""
+        assert self.config is not None
+        self.stats.record(proposed, accepted)
+        adapt_gamma(self._gamma[key], proposed, accepted, self.config.num_tokens)
+        return proposed - accepted
+
+    def forget(self, key: str) -> None:
+        self._gamma.pop(key, None)
+
+
+def can_speculate(req: Request) -> bool:
+    s = req.sampling
+    return (s.n == 1 and not s.best_of and not s.use_beam_search and s.logprobs is None
+            and not s.logit_bias and not s.has_penalty
+            # NOTE: budget closing checks each token as it is sampled; drafts skip that check
+            and not grammar.closes_on_budget(req)
+            and req.num_output_tokens >= s.min_tokens and req.num_output_tokens > 0)
+
+
 def ngram_propose(tokens: list[int], gamma: int, n_max: int, n_min: int) -> list[int]:
     """Prompt lookup: find the last n tokens (longest n first) earlier in the context and
     propose up to gamma tokens that followed that occurrence (the most recent one)."""
@@ -47,62 +132,22 @@ def ngram_propose(tokens: list[int], gamma: int, n_max: int, n_min: int) -> list
     return []
 
 
-def verify(
-    draft: list[int],
-    target: torch.Tensor,  # [g + 1, vocab]: greedy -> logits; else the processed probabilities
-    draft_probs: torch.Tensor | None,  # [g, vocab]: the draft's probabilities; None = one-hot
-    greedy: bool,
-    generator: torch.Generator | None,
-) -> tuple[int, int]:
-    """(accepted draft tokens, the token after them) for one request.
-
-    Modified rejection sampling (Leviathan et al. 2023; Chen et al. 2023): draft token x_i,
-    drawn from p_i, is kept with probability min(1, q_i(x_i) / p_i(x_i)). At the first
-    rejection the next token is drawn from norm(max(0, q_i - p_i)), and nothing after it is
-    kept; if every draft is kept, a bonus token is drawn from q_g. The result is distributed
-    exactly as sampling from q alone. A one-hot p (n-gram lookup) keeps x_i with probability
-    q_i(x_i) and resamples from q_i without x_i. Greedy keeps x_i iff it is q_i's argmax.
-    """
-    if greedy:
-        best = target.argmax(dim=-1).tolist()
-        for i, token in enumerate(draft):
-            if best[i] != token:
-                return i, best[i]
-        return len(draft), best[len(draft)]
-    u = torch.rand(len(draft), generator=generator, device=target.device).tolist()
-    for i, token in enumerate(draft):
-        q = target[i]
-        p_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
-        # NOTE: strict `<`: a token with q = 0 (a grammar refuses it) is never kept, even at u = 0
-        if p_token > 0 and u[i] < float(q[token]) / p_token:
-            continue
-        if draft_probs is None:
-            residual = q.clone()
-            residual[token] = 0.0
-        else:
-            residual = (q - draft_probs[i]).clamp_min(0.0)
-        total = float(residual.sum())
-        dist = residual / total if total > 0 else q
-        return i, int(torch.multinomial(dist, 1, generator=generator))
-    return len(draft), int(torch.multinomial(target[len(draft)], 1, generator=generator))
-
-
-def adapt_gamma(req, proposed: int, accepted: int, gamma_max: int) -> None:
-    """Move the request's gamma by its recent acceptance rate."""
+def adapt_gamma(state: GammaState, proposed: int, accepted: int, gamma_max: int) -> None:
+    """Move the choice's gamma by its recent acceptance rate."""
     rate = accepted / proposed if proposed else 0.0
-    req.spec_ema = _EMA * req.spec_ema + (1 - _EMA) * rate
-    if req.spec_ema < _LOW:
-        req.spec_gamma //= 2  # NOTE: a wasted draft costs gamma draft steps: back off fast
-    elif req.spec_ema > _HIGH:
-        req.spec_gamma = min(gamma_max, req.spec_gamma + 1)
+    state.ema = _EMA * state.ema + (1 - _EMA) * rate
+    if state.ema < _LOW:
+        state.gamma //= 2  # NOTE: a wasted draft costs gamma draft steps: back off fast
+    elif state.ema > _HIGH:
+        state.gamma = min(gamma_max, state.gamma + 1)
 
 
-def next_gamma(req, gamma_max: int) -> int:
-    """Gamma for this step; a request at 0 probes with 1 every _PROBE_EVERY steps."""
-    if req.spec_gamma > 0:
-        return req.spec_gamma
-    req.spec_idle += 1
-    if req.spec_idle >= _PROBE_EVERY:
-        req.spec_idle, req.spec_gamma, req.spec_ema = 0, 1, 0.5
+def next_gamma(state: GammaState) -> int:
+    """Gamma for this step; a choice at 0 probes with 1 every _PROBE_EVERY steps."""
+    if state.gamma > 0:
+        return state.gamma
+    state.idle += 1
+    if state.idle >= _PROBE_EVERY:
+        state.idle, state.gamma, state.ema = 0, 1, 0.5
         return 1
     return 0

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sched.kv_manager import BlockPool, KVCacheManager, hash_block
+from engine.sched.kv_manager import BlockPool, KVCacheManager
 from engine.sched.request import Request
+from ipc.prefix_hash import hash_block
 from ipc.sampling import SamplingParams
 
 

@@ -14,10 +14,11 @@ from ipc.sampling import SamplingParams
 V = 50
 
 
-def req(params: SamplingParams, prompt=(1, 2, 3), output=(), seed=None) -> Row:
-    """The runner's row of a request with these tokens (the sampler reads rows)."""
+def req(params: SamplingParams, prompt=(1, 2, 3), output=(), seed=None, ends=()) -> Row:
+    """The runner's row of a request with these tokens (the sampler reads rows); `ends`: the
+    tokens the plan says end it (EOS and stop_token_ids)."""
     gen = None if seed is None else torch.Generator().manual_seed(seed)
-    new = NewRequest("r", [*prompt, *output], len(prompt), params, seed, [], 0)
+    new = NewRequest("r", [*prompt, *output], len(prompt), params, seed, [], 0, list(ends))
     return Row(new, 0, gen)
 
 
@@ -27,13 +28,13 @@ def fixed_logits(rows: int) -> torch.Tensor:
 
 
 def sample_many(params: SamplingParams, n: int = 400) -> set[int]:
-    sampler = Sampler([49], seed=0, device=torch.device("cpu"))
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
     reqs = [req(params) for _ in range(n)]
     return set(sampler(fixed_logits(n), reqs).token_ids)
 
 
 def test_greedy_is_argmax():
-    sampler = Sampler([], seed=0, device=torch.device("cpu"))
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
     logits = torch.randn(4, V)
     out = sampler(logits, [req(SamplingParams(temperature=0)) for _ in range(4)])
     assert out.token_ids == logits.argmax(-1).tolist()
@@ -43,8 +44,8 @@ def test_seed_gives_same_tokens_whatever_the_batch():
     params = SamplingParams(temperature=1.0, seed=1234)
     torch.manual_seed(0)
     logits = torch.randn(1, V)
-    alone = Sampler([], seed=0, device=torch.device("cpu"))
-    crowd = Sampler([], seed=99, device=torch.device("cpu"))
+    alone = Sampler(seed=0, device=torch.device("cpu"))
+    crowd = Sampler(seed=99, device=torch.device("cpu"))
     r1, r2 = req(params, seed=1234), req(params, seed=1234)
     seq_alone, seq_crowd = [], []
     for _ in range(20):
@@ -76,7 +77,7 @@ def test_min_p_drops_tokens_below_the_floor():
 
 
 def test_penalties_change_logits_as_defined():
-    sampler = Sampler([], seed=0, device=torch.device("cpu"))
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 0.0]])
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
     r = req(params, prompt=[0], output=[1, 2, 2])
@@ -88,21 +89,22 @@ def test_penalties_change_logits_as_defined():
 
 
 def test_min_tokens_suppresses_eos_and_stop_ids():
-    sampler = Sampler([0], seed=0, device=torch.device("cpu"))
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
     logits = torch.tensor([[10.0, 9.0, 1.0]])
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(1,))
-    assert sampler(logits, [req(params, output=[2])]).token_ids == [2]
-    assert sampler(logits, [req(params, output=[2, 2])]).token_ids == [0]
+    ends = (0, 1)  # EOS 0 and stop id 1
+    assert sampler(logits, [req(params, output=[2], ends=ends)]).token_ids == [2]
+    assert sampler(logits, [req(params, output=[2, 2], ends=ends)]).token_ids == [0]
 
 
 def test_a_grammar_that_allows_only_eos_wins_over_min_tokens():
     # NOTE: the grammar allows token 0 (EOS) only; min_tokens bans it; the row must still
     # sample a token the grammar allows, not the argmax of an all -inf row (token 0 by
     # accident in one case, any token in another)
-    sampler = Sampler([2], seed=0, device=torch.device("cpu"))
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
     logits = torch.tensor([[9.0, 1.0, 5.0, 7.0]])
     params = SamplingParams(temperature=0, min_tokens=5)
-    row = req(params)
+    row = req(params, ends=(2,))  # EOS 2
     row.grammar_mask = np.array([[1 << 2]], dtype=np.int32)  # only token 2 (EOS) allowed
     assert sampler(logits, [row]).token_ids == [2]
     # with the grammar allowing EOS and token 3, min_tokens bans EOS and 3 is sampled
@@ -111,7 +113,7 @@ def test_a_grammar_that_allows_only_eos_wins_over_min_tokens():
 
 
 def test_logprobs_of_sampled_and_top_tokens():
-    sampler = Sampler([], seed=0, device=torch.device("cpu"))
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
     out = sampler(logits, [req(SamplingParams(temperature=0, logprobs=2))])
     lp = logits.log_softmax(-1)[0]
@@ -123,7 +125,7 @@ def test_logprobs_of_sampled_and_top_tokens():
 
 
 def test_logit_bias_is_added_before_sampling():
-    sampler = Sampler([], seed=0, device=torch.device("cpu"))
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
     # token 0 is the greedy one; -100 bans it, +100 on token 7 makes 7 certain
     banned = req(SamplingParams(temperature=0, logit_bias=((0, -100.0),)))
     boosted = req(SamplingParams(temperature=1.0, logit_bias=((7, 100.0),)))
@@ -136,7 +138,7 @@ def test_tiny_temperature_and_top_p_never_sample_from_a_nan_row():
     # NOTE: random logits with a clear maximum away from id 0 (a NaN row's argmax is id 0)
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(7)) * 8
     logits[0, 777] = 60.0
-    sampler = Sampler([], seed=0, device=torch.device("cpu"))
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
     cases = [SamplingParams(temperature=t) for t in (1e-38, 1e-45, 1e-300, 1e-6)]
     cases += [SamplingParams(temperature=t, top_p=p) for t in (1.0, 1e-3)
               for p in (1e-300, 1e-45, 1e-9)]

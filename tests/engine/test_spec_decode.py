@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.core import EngineCore
-from engine.sched import speculation as spec_decode
+from engine.run.verify import verify
+from engine.sched import speculation
 from ipc.config import EngineConfig
 from ipc.messages import AddRequest
 from ipc.sampling import SamplingParams
@@ -73,7 +74,7 @@ def test_acceptance_rule_keeps_the_target_distribution(draft_kind):
         def draft_fn(gen):
             return [int(torch.multinomial(p[0], 1, generator=gen))]
     n = 6000
-    right = first_token_counts(spec_decode.verify, q, p, draft_fn, n)
+    right = first_token_counts(verify, q, p, draft_fn, n)
     stat, df = chi_square(right, q[0])
     assert stat < critical(df), f"{draft_kind}: chi2 {stat:.1f} (df {df})"
     wrong = first_token_counts(wrong_rule, q, p, draft_fn, n)
@@ -83,16 +84,16 @@ def test_acceptance_rule_keeps_the_target_distribution(draft_kind):
 
 def test_greedy_verification_keeps_the_argmax_prefix():
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
-    assert spec_decode.verify([1, 0], logits, None, True, None) == (2, 2)
-    assert spec_decode.verify([1, 2], logits, None, True, None) == (1, 0)
-    assert spec_decode.verify([2, 0], logits, None, True, None) == (0, 1)
+    assert verify([1, 0], logits, None, True, None) == (2, 2)
+    assert verify([1, 2], logits, None, True, None) == (1, 0)
+    assert verify([2, 0], logits, None, True, None) == (0, 1)
 
 
 def test_ngram_proposer_finds_the_latest_longest_match():
     tokens = [5, 6, 7, 8, 1, 5, 6, 9, 2, 5, 6]
-    assert spec_decode.ngram_propose(tokens, 3, 4, 1) == [9, 2, 5]
-    assert spec_decode.ngram_propose([1, 2, 3], 3, 4, 1) == []
-    assert spec_decode.ngram_propose([4, 4, 4], 2, 2, 2) == [4]
+    assert speculation.ngram_propose(tokens, 3, 4, 1) == [9, 2, 5]
+    assert speculation.ngram_propose([1, 2, 3], 3, 4, 1) == []
+    assert speculation.ngram_propose([4, 4, 4], 2, 2, 2) == [4]
 
 
 @pytest.fixture(scope="module")
@@ -197,18 +198,14 @@ def test_speculation_under_preemption_keeps_greedy_output(tiny_model_dir):
     assert results[0] == results[1] == results[2]
 
 
-class _Req:
-    spec_gamma, spec_ema, spec_idle = 8, 0.5, 0
-
-
 def test_gamma_backs_off_on_rejections_and_probes_again():
-    req = _Req()
+    state = speculation.GammaState(8)
     gammas = []
     for _ in range(5):
-        spec_decode.adapt_gamma(req, req.spec_gamma or 1, 0, 8)
-        gammas.append(req.spec_gamma)
+        speculation.adapt_gamma(state, state.gamma or 1, 0, 8)
+        gammas.append(state.gamma)
     assert gammas == [4, 2, 1, 0, 0]
-    assert [spec_decode.next_gamma(req, 8) for _ in range(32)][-1] == 1  # a probe
+    assert [speculation.next_gamma(state) for _ in range(32)][-1] == 1  # a probe
     for _ in range(6):
-        spec_decode.adapt_gamma(req, req.spec_gamma, req.spec_gamma, 8)
-    assert req.spec_gamma > 1  # accepted drafts raise it again
+        speculation.adapt_gamma(state, state.gamma, state.gamma, 8)
+    assert state.gamma > 1  # accepted drafts raise it again

@@ -54,10 +54,14 @@ def _routed(pool: EnginePool) -> list[int]:
 
 
 def test_prefix_hashes_match_the_engine() -> None:
-    from engine.sched.kv_manager import hash_block as engine_hash
+    from engine.sched import kv_manager
+    from engine.sched.request import Request
+    from ipc.prefix_hash import extend_block_hashes, salt_bytes
 
-    assert engine_hash is hash_block
+    assert kv_manager.extend_block_hashes is extend_block_hashes  # one chain, one salt rule
     hashes = prompt_block_hashes(list(range(40)), 16, "salt")
+    req = Request("r", list(range(40)), SamplingParams(), 1, cache_salt=salt_bytes("salt"))
+    assert kv_manager.KVCacheManager(4, 16).block_hashes(req) == hashes
     assert len(hashes) == 2 and hashes[1] == hash_block(hashes[0], list(range(16, 32)), b"salt")
     assert unpack_digest(pack_digest(hashes)) == {h[:8] for h in hashes}
 
