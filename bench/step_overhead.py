@@ -21,7 +21,7 @@ from pathlib import Path
 
 def _answer(plan):
     if not hasattr(plan, "num_scheduled_tokens"):  # NOTE: a tree from before the step plan
-        from engine.run.sampler import SamplerOutput
+        from engine.sampler import SamplerOutput  # type: ignore[import-not-found]
 
         return SamplerOutput([7] * len(plan.sampling), [None] * len(plan.sampling))
     from engine.step_plan import RunnerOutput, Sampled
@@ -31,9 +31,14 @@ def _answer(plan):
 
 def measure(num_requests: int = 32, prompt_len: int = 128, output_len: int = 64) -> dict:
     """One run to completion: total schedule and update seconds and the step count."""
-    from engine.sched.kv_manager import KVCacheManager
-    from engine.sched.request import Request
-    from engine.sched.scheduler import Scheduler, SchedulerConfig
+    try:
+        from engine.sched.kv_manager import KVCacheManager
+        from engine.sched.request import Request
+        from engine.sched.scheduler import Scheduler, SchedulerConfig
+    except ImportError:  # NOTE: a tree from before engine/sched (issue 26)
+        from engine.kv_manager import KVCacheManager  # type: ignore[no-redef]
+        from engine.request import Request  # type: ignore[no-redef]
+        from engine.scheduler import Scheduler, SchedulerConfig  # type: ignore[no-redef]
     from ipc.sampling import SamplingParams
 
     kv = KVCacheManager(4096, 16, True, 0)
