@@ -372,3 +372,42 @@ def test_runner_rows_mirror_window_releases_as_block_zero():
         assert states.block_table[row.slot, : len(table)].tolist() == [max(b, 0) for b in table]
         s.update(plan, RunnerOutput({r.key: Sampled(TOKEN, [], None) for r in plan.sampling}))
     assert kv.block_ids("a")[0] == NULL_BLOCK  # the window released the first block
+
+
+# (params, end tokens, the token sampled under min_tokens): tokens 0 (EOS), 3 and 5 tie as the
+# likeliest (greedy takes the lowest allowed id), 6 comes next
+@pytest.mark.parametrize(("params", "ends", "sampled"), [
+    (SamplingParams(), [EOS], 3),
+    (SamplingParams(stop_token_ids=(5, 3)), [EOS, 3, 5], 6),
+    (SamplingParams(stop_token_ids=(5,), ignore_eos=True), [5], EOS),
+    (SamplingParams(ignore_eos=True), [], EOS),
+])
+def test_the_plan_carries_the_end_tokens_the_sampler_bans_before_min_tokens(params, ends,
+                                                                            sampled):
+    import torch
+
+    from engine.run.sampler import Sampler
+
+    s = make(num_blocks=8, budget=16)
+    params = msgspec.structs.replace(params, temperature=0.0, min_tokens=2)
+    s.add(Request("a", [1, 2, 3], params, 4))
+    (new,) = s.schedule().new_requests
+    assert new.end_token_ids == ends  # by hand: EOS unless ignore_eos, and stop_token_ids
+    # the runner's row samples under min_tokens: every end token is banned, the others not
+    row = RowStates(max_blocks_per_seq=4, device=torch.device("cpu"))
+    row.apply(StepPlan(1, new_requests=[new]))
+    logits = torch.zeros(1, 8)
+    logits[0, [EOS, 3, 5]] = 10.0  # the end candidates are the likeliest
+    logits[0, 6] = 5.0
+    assert Sampler(0, torch.device("cpu"))(logits, [row.rows["a"]]).token_ids == [sampled]
+
+
+def test_speculation_state_is_dropped_with_the_choice():
+    kv = KVCacheManager(16, 4, False, 0)
+    s = Scheduler(SchedulerConfig(4, 16, 64, SpecConfig("ngram", 3)), kv, [EOS])
+    a = Request("a", [1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=6), 6)
+    s.add(a)
+    run = FakeRunner({"a": [3, 1, 2, 3, 1, 2]})
+    while s.has_unfinished():
+        run.step(s)
+    assert s.spec_stats.verify_steps > 0 and not s.speculation._gamma
