@@ -155,6 +155,20 @@ class Request:
         first = max(start, len(self.prompt_logprobs))
         return range(first, min(start + n, self.num_prompt_tokens - 1))
 
+    def resume_from(self, num_cached: int) -> None:
+        """Admitted with its first num_cached tokens found in the prefix cache."""
+        self.num_computed_tokens = num_cached
+        if self.num_output_tokens == 0:
+            self.num_cached_tokens = num_cached
+        self.num_recomputed_tokens += max(0, self.num_lost_tokens - num_cached)
+        self.num_lost_tokens = 0
+
+    def follow(self, parent: Request) -> None:
+        """Forked from `parent` (n > 1, beams): it shares the parent's progress."""
+        self.scheduled_time = parent.scheduled_time
+        self.num_computed_tokens = parent.num_computed_tokens
+        self.num_cached_tokens = parent.num_cached_tokens
+
     def append_token(self, token_id: int) -> None:
         self._all_token_ids.append(token_id)
         if self.grammar is not None and not self.grammar.accept(token_id):

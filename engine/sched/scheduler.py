@@ -240,11 +240,7 @@ class Scheduler:
                 break
             heapq.heappop(self._waiting)
             self.kv.record_prefix_query(req.num_tokens, num_cached)
-            req.num_computed_tokens = num_cached
-            if req.num_output_tokens == 0:
-                req.num_cached_tokens = num_cached
-            req.num_recomputed_tokens += max(0, req.num_lost_tokens - num_cached)
-            req.num_lost_tokens = 0
+            req.resume_from(num_cached)
             self._start(req, n, plan)
             budget -= n
 
@@ -442,9 +438,7 @@ class Scheduler:
 
     def _fork(self, parent: Request, child: Request) -> None:
         self.kv.fork(parent, child)
-        child.scheduled_time = parent.scheduled_time
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
+        child.follow(parent)
         child.status = RequestStatus.RUNNING
         bisect.insort(self.running, child, key=lambda r: r.sort_key)
 
