@@ -1,2 +1,2 @@
-"""Scheduling side of the engine: requests, KV blocks, the scheduler and one file per policy;
-never imports torch, engine.run, engine.models or kernels (only ipc and engine.step_plan)."""
+"""Scheduling side of the engine: requests, KV blocks, the scheduler and one file per policy.
+Imports ipc, engine.step_plan and itself only (no torch, engine.run, engine.models, kernels)."""
