@@ -8,14 +8,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.allocator import tune_malloc
 from engine.devices import resolve_device, resolve_dtype
+from engine.models.accelerate import accelerate
 from engine.models.config import ModelConfig
-from engine.models.cpu_linear import pack_linears, resolve_mode
 from engine.models.loader import load_model, resolve_quantization
 from engine.models.quant_linear import count_weights
 from engine.run.runner import ModelRunner
@@ -34,7 +35,7 @@ from ipc.prefix_hash import salt_bytes
 from kernels import auto_backend, get_backend
 
 if TYPE_CHECKING:
-    from engine.parallel.driver import TensorParallelRunner
+    from engine.parallel.driver import Ranks, TensorParallelRunner
 
 # auto: the model's dtype
 _KV_CACHE_DTYPES = {"float16": torch.float16, "half": torch.float16,
@@ -48,12 +49,62 @@ _GRAMMAR_POLL_S = 0.005  # longest wait for a compiling grammar when nothing els
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        """Built in stages: the attention backend (refused before anything loads), the model
+        (loaded, then its fast paths installed), the KV pool's size, the scheduler, the
+        runner."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = _KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
+        self.block_size = config.block_size
+        backend = self._attention_backend(config)
+        model, ranks = self._build_model(config)
+        # NOTE: from the memory the target model leaves (on CUDA), before the draft loads
+        self.num_gpu_blocks = self._num_blocks()
+        draft_model = self._draft_model(config)
+        self.cpu_linear = self._accelerate(backend, model, draft_model)
+        step_tokens = step_token_budget(config, self.device.type)
+        self._size_kv(config, draft_model, step_tokens)
+        self.scheduler = self._build_scheduler(config, step_tokens)
+        self.runner = self._build_runner(config, backend, model, draft_model, ranks)
+        if self.device.type == "cpu":
+            tune_malloc()  # NOTE: after loading and packing (engine/allocator.py says why)
+        vocab = self.model_config.vocab_size
+        self.grammars = GrammarCompiler(
+            lambda: _lltokenizer(self.tokenizer_dir, vocab, self.eos_token_ids),
+            config.structured_output_compile_timeout,
+            close_on_budget=config.structured_output_close_on_budget)
+        self.step_count = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.config.max_logprobs
+
+    # ---- build stages --------------------------------------------------------------------------
+
+    def _attention_backend(self, config: EngineConfig) -> ModuleType:
+        """The backend that runs (auto resolved here), checked before any model loads."""
+        self.attention_backend = (auto_backend(self.device.type, self.kv_dtype == self.dtype)
+                                  if config.attention_backend == "auto"
+                                  else config.attention_backend)
+        if self.attention_backend == "flash_attn" and self.kv_dtype != self.dtype:
+            # NOTE: asked for by name (auto skips it): at start, not at the first request
+            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype}: the flash_attn backend "
+                             "reads a KV cache of the model's dtype only (use "
+                             "--attention-backend triton)")
+        return get_backend(self.attention_backend, self.device.type)
+
+    def _build_model(self, config: EngineConfig) -> tuple[torch.nn.Module, Ranks | None]:
+        """The target model (rank 0's shard under tensor parallelism) and the other ranks;
+        sets its names, quantization, config, context length and weight count."""
         source = resolve_model(config.model, config.served_model_name)
         self.model_name = source.name
         self.tokenizer_dir = str(tokenizer_dir(source, config.tokenizer))
@@ -62,31 +113,46 @@ class EngineCore:
         model, self.model_config, ranks = _load_model(config, source, self.dtype, self.device,
                                                       self.quantization)
         self.max_model_len = _max_model_len(config, self.model_config)
-        self.block_size = config.block_size
-        self.num_gpu_blocks = self._num_blocks(model)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
-        kv_bytes = self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize
-        block_bytes = self.block_size * kv_bytes
-        self.num_cpu_blocks = int(config.swap_space * 2**30 // block_bytes)
-        draft_model = self._draft_model(config)
+        # NOTE: counted before packing: packed (and quantized) weights are not Parameters
+        self.num_params = count_weights(model)
+        return model, ranks
+
+    def _accelerate(self, backend: ModuleType, model: torch.nn.Module,
+                    draft: torch.nn.Module | None) -> str:
+        """Every CPU fast path in the draft model, then the target (engine/models/
+        accelerate.py); returns the target's linear mode."""
+        if self.config.tensor_parallel_size > 1:
+            return "torch"  # NOTE: the ranks hold the weights (EngineConfig refuses others)
+        options = {"cpu_linear": self.config.cpu_linear, "fused_cpu_ops": backend.FUSED_CPU_OPS,
+                   "device": self.device, "dtype": self.dtype}
+        if draft is not None:
+            # NOTE: first, as ever: the target's auto mode sees the memory the draft's took
+            accelerate(draft, **options)
+        return accelerate(model, **options).cpu_linear
+
+    def _size_kv(self, config: EngineConfig, draft: torch.nn.Module | None,
+                 step_tokens: int) -> None:
+        """The swap pool, the KV manager, and the context one request can really use."""
+        self.block_bytes = (self.block_size * self.model_config.kv_bytes_per_token
+                            * self.kv_dtype.itemsize)
+        self.num_cpu_blocks = int(config.swap_space * 2**30 // self.block_bytes)
         self.kv = KVCacheManager(self.num_gpu_blocks, self.block_size,
                                  config.enable_prefix_caching, self.num_cpu_blocks,
-                                 self._kv_window(config, draft_model))
+                                 self._kv_window(config, draft))
         model_len = self.max_model_len
         # NOTE: with window freeing a request holds at most its window's blocks, whatever its
         # length; otherwise one block per block_size tokens
-        step_tokens = step_token_budget(config, self.device.type)
         full = self.kv.max_blocks_held(model_len, step_tokens)
         self.max_model_len = _fit_context(model_len, self.num_gpu_blocks, self.block_size, full)
         # NOTE: said in errors, so that a client knows why its context is short
         self._context_note = ("" if self.max_model_len == model_len else
                               f" (what {self.num_gpu_blocks} KV blocks hold)")
-        # NOTE: counted before packing: packed (and quantized) weights are not Parameters
-        self.num_params = count_weights(model)
-        self.cpu_linear = self._pack(model)
-        preemption = PreemptionCost(block_bytes, 2.0 * self.num_params, self.device.type,
+
+    def _build_scheduler(self, config: EngineConfig, step_tokens: int) -> Scheduler:
+        preemption = PreemptionCost(self.block_bytes, 2.0 * self.num_params, self.device.type,
                                     config.preemption_mode)
-        self.scheduler = Scheduler(
+        return Scheduler(
             SchedulerConfig(config.max_num_seqs, step_tokens, self.max_model_len,
                             _spec_config(config, self.model_config.num_layers),
                             self.model_config.vocab_size),
@@ -94,38 +160,17 @@ class EngineCore:
             self.eos_token_ids,
             preemption,
         )
+
+    def _build_runner(self, config: EngineConfig, backend: ModuleType,
+                      model: torch.nn.Module, draft: torch.nn.Module | None,
+                      ranks: Ranks | None) -> ModelRunner | TensorParallelRunner:
         sampler = Sampler(config.seed, self.device)
-        self.attention_backend = (auto_backend(self.device.type, self.kv_dtype == self.dtype)
-                                  if config.attention_backend == "auto"
-                                  else config.attention_backend)  # the one that runs
-        if self.attention_backend == "flash_attn" and self.kv_dtype != self.dtype:
-            # NOTE: asked for by name (auto skips it): at start, not at the first request
-            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype}: the flash_attn backend "
-                             "reads a KV cache of the model's dtype only (use "
-                             "--attention-backend triton)")
-        backend = get_backend(self.attention_backend, self.device.type)
-        if getattr(backend, "FUSED_CPU_OPS", False) and config.tensor_parallel_size == 1:
-            for m in (model, draft_model):
-                if m is not None:
-                    m.set_fused_cpu_ops(True)
-        self.runner: ModelRunner | TensorParallelRunner = ModelRunner(
+        runner = ModelRunner(
             model, self.num_gpu_blocks, self.block_size, self.max_model_len, sampler,
             backend, self.device, self.kv_dtype, self.num_cpu_blocks,
-            draft_layers=config.speculative_draft_layers, draft_model=draft_model,
+            draft_layers=config.speculative_draft_layers, draft_model=draft,
         )
-        if ranks is not None:
-            self.runner = self._tensor_parallel(self.runner, ranks)
-        if self.device.type == "cpu":
-            tune_malloc()  # NOTE: after loading and packing (engine/allocator.py says why)
-        vocab = self.model_config.vocab_size
-        self.grammars = GrammarCompiler(
-            lambda: _lltokenizer(self.tokenizer_dir, vocab, self.eos_token_ids),
-            config.structured_output_compile_timeout,
-            close_on_budget=config.structured_output_close_on_budget)
-        self.block_bytes = block_bytes
-        self.step_count = 0
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
+        return runner if ranks is None else self._tensor_parallel(runner, ranks)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -214,10 +259,9 @@ class EngineCore:
             raise ValueError(
                 f"the speculative model's vocabulary ({cfg.vocab_size}) differs from the "
                 f"target's ({self.model_config.vocab_size}): it must share the tokenizer")
-        self._pack(draft)
         return draft
 
-    def _tensor_parallel(self, runner: ModelRunner, ranks) -> TensorParallelRunner:
+    def _tensor_parallel(self, runner: ModelRunner, ranks: Ranks) -> TensorParallelRunner:
         """Rank 0's runner, with the other ranks' runners built alike (same sizes, seed)."""
         from engine.parallel.driver import TensorParallelRunner
         from engine.parallel.records import RunnerInit
@@ -236,13 +280,6 @@ class EngineCore:
             other = draft.cfg.kv_window
             window = None if other is None else max(window, other)
         return window
-
-    def _pack(self, model: torch.nn.Module) -> str:
-        if self.config.tensor_parallel_size > 1:
-            return "torch"  # NOTE: the ranks hold the weights (EngineConfig refuses others)
-        mode = resolve_mode(self.config.cpu_linear, model, self.device, self.dtype)
-        pack_linears(model, mode)
-        return mode
 
     def _validate(self, msg: AddRequest) -> Request:
         prompt, s = msg.prompt_token_ids, msg.sampling
@@ -290,7 +327,7 @@ class EngineCore:
             choices[0].pending_grammar = self.grammars.submit(s.structured_outputs)
         return choices[0]
 
-    def _num_blocks(self, model: torch.nn.Module) -> int:
+    def _num_blocks(self) -> int:
         if self.config.num_gpu_blocks is not None:
             return self.config.num_gpu_blocks
         per_block = self.block_size * self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize

@@ -44,14 +44,18 @@ _IO_POLL_MS = 100  # how often the input thread checks for stop
 
 
 class Core(Protocol):
-    """What the loop needs from engine.core.EngineCore."""
+    """What the loop needs from engine.core.EngineCore (and test doubles), every member
+    required: the handshake and heartbeats read them as they are."""
 
     model_name: str
     max_model_len: int
     block_size: int
     num_gpu_blocks: int
+    num_cpu_blocks: int  # the CPU swap pool (0: none)
     eos_token_ids: list[int]
     tokenizer_dir: str
+    max_num_seqs: int  # most requests it runs at once (0: not reported)
+    max_logprobs: int  # most top logprobs a request may ask for
 
     def add_request(self, msg: AddRequest) -> None: ...
     def abort_requests(self, request_ids: Iterable[str]) -> list[TokenDelta]: ...
@@ -59,6 +63,7 @@ class Core(Protocol):
     def step(self) -> list[TokenDelta]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> EngineStats: ...
+    def cached_block_hashes(self) -> list[bytes]: ...  # the prefix cache's ([]: none)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,7 +196,7 @@ class EngineLoop:
         stats = self._core.stats()
         self._send(Heartbeat(step=self._steps, queue_depth=self._inputs.qsize() + stats.num_waiting,
                              stats=stats, incarnation=self._incarnation,
-                             prefix_digest=_prefix_digest(self._core)))
+                             prefix_digest=pack_digest(self._core.cached_block_hashes())))
         if self._opts.parent_pid is not None and os.getppid() != self._opts.parent_pid:
             log.warning("parent process %d is gone; shutting down", self._opts.parent_pid)
             self.request_shutdown(0.0)
@@ -257,12 +262,6 @@ class EngineLoop:
             self._sockets.send_output(msg)
 
 
-def _prefix_digest(core: Core) -> bytes:
-    # NOTE: optional in the core's interface (test doubles have no prefix cache).
-    hashes = getattr(core, "cached_block_hashes", None)
-    return pack_digest(hashes()) if hashes is not None else b""
-
-
 def _error(request_id: str, message: str) -> TokenDelta:
     return TokenDelta(request_id=request_id, finish_reason=FINISH_ERROR, error=message)
 
@@ -298,14 +297,10 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str, incarnat
 def ready_message(core: Core, incarnation: str) -> EngineReady:
     return EngineReady(
         model=core.model_name, max_model_len=core.max_model_len, block_size=core.block_size,
-        num_gpu_blocks=core.num_gpu_blocks,
-        # NOTE: the CPU swap pool is optional in the core's interface.
-        num_cpu_blocks=getattr(core, "num_cpu_blocks", 0),
+        num_gpu_blocks=core.num_gpu_blocks, num_cpu_blocks=core.num_cpu_blocks,
         incarnation=incarnation, eos_token_ids=list(core.eos_token_ids),
-        tokenizer=core.tokenizer_dir,
-        max_num_seqs=getattr(getattr(core, "config", None), "max_num_seqs", 0),
-        max_logprobs=getattr(getattr(core, "config", None), "max_logprobs",
-                             EngineConfig.max_logprobs),
+        tokenizer=core.tokenizer_dir, max_num_seqs=core.max_num_seqs,
+        max_logprobs=core.max_logprobs,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +19,24 @@ from engine.models.config import ModelConfig
 from engine.run.forward_context import get_forward_context
 from kernels import cpu_ops
 
-if TYPE_CHECKING:
-    from engine.models.fused_stack import DecodeStack
+
+# NOTE: the fast-path slots below (RMSNorm.fused, MLP.fused, LlamaForCausalLM.fused_cpu_ops
+# and .decode_stack) are filled by engine/models/accelerate.py after loading; left empty, the
+# model runs its torch formulas, the reference every fast path is tested against.
+class FusedMLP(Protocol):
+    """An MLP's whole forward in one call (quant_linear.QuantMLP) for the batches it fits."""
+
+    def fits(self, x: torch.Tensor) -> bool: ...
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class FusedStack(Protocol):
+    """A plain decode step's whole layer stack and final norm in one call
+    (fused_stack.DecodeStack) for the steps it fits."""
+
+    def fits(self, x: torch.Tensor, positions: torch.Tensor, num_layers: int | None) -> bool: ...
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                 num_layers: int | None) -> torch.Tensor: ...
 
 
 def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Module:
@@ -33,7 +49,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.fused = False  # kernels/cpu_ops.py's one-pass kernel (set_fused_cpu_ops)
+        self.fused = False  # kernels/cpu_ops.py's one-pass kernel (accelerate.py sets it)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """weight * RMSNorm(x); with `residual`, (normed, new residual): the new residual is
@@ -189,9 +205,9 @@ class MLP(nn.Module):
         self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"
-        # the whole MLP in one call for decode-sized batches (quant_linear.QuantMLP, set when
-        # both projections are packed quantized layers)
-        self.fused: nn.Module | None = None
+        # the whole MLP in one call for decode-sized batches (accelerate.py sets it where both
+        # projections are packed quantized layers)
+        self.fused: FusedMLP | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and self.fused.fits(x):
@@ -264,10 +280,10 @@ class LlamaForCausalLM(nn.Module):
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
         self.local_rope: RotaryEmbedding | None = None  # Gemma 3's windowed layers
-        self.fused_cpu_ops = False
+        self.fused_cpu_ops = False  # rope in kernels/cpu_ops.py's C kernel (accelerate.py)
         # a plain decode step's whole stack in one C call (engine/models/fused_stack.py),
-        # built by set_fused_cpu_ops where every layer is a packed quantized one
-        self.decode_stack: DecodeStack | None = None
+        # installed by accelerate.py where every layer is a packed quantized one
+        self.decode_stack: FusedStack | None = None
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         self.rope = RotaryEmbedding(self.cfg, max_positions, device)
@@ -296,18 +312,6 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers[:num_layers]:
             x, residual = layer(x, residual, local if layer.uses_local_rope else rope)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
-
-    def set_fused_cpu_ops(self, on: bool) -> None:
-        """Run RMSNorm (with its residual add) and rope in kernels/cpu_ops.py's C kernels where
-        the tensors are float32 on the CPU; off (the default): the torch formulas. On, a
-        model of packed quantized layers also gets its one-call decode stack."""
-        from engine.models.fused_stack import DecodeStack  # NOTE: it imports this module
-
-        self.fused_cpu_ops = on = on and cpu_ops.available()
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.fused = on
-        self.decode_stack = DecodeStack.build(self) if on else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied to the embedding

@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.llama import MLP
 from kernels import cpu_quant
 
 log = logging.getLogger(__name__)
@@ -193,7 +192,7 @@ def _merge_same_type(parts: list[QuantWeight]) -> list[QuantWeight]:
 class QuantMLP(nn.Module):
     """An MLP's gate/up and down products and its activation in one kernel call
     (cpu_quant.PackedMLP) for up to `packed_rows_limit` rows (any count in a8); the MLP keeps
-    its own path otherwise.
+    its own path otherwise. engine/models/accelerate.py installs it in llama.MLP's slot.
     NOTE: one call instead of two products and three torch ops per layer: 30-40 us of a
     decode step's per-layer overhead on SmolLM2-135M."""
 
@@ -284,15 +283,7 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantWeight], numeric
     if head is not None and head.type_id is not None and model.lm_head is not None:
         model.lm_head = QuantLinear([head], None, numerics)
         used.add("lm_head.weight")
-    fuse_mlps(model)
     return used
-
-
-def fuse_mlps(model: nn.Module) -> None:
-    """Give every MLP whose gate/up and down are packed quantized layers its one-call path."""
-    for m in model.modules():
-        if isinstance(m, MLP) and QuantMLP.applies(m.gate_up_proj, m.down_proj):
-            m.fused = QuantMLP(m.gate_up_proj, m.down_proj, "gelu_tanh" if m.gelu else "silu")
 
 
 def count_weights(model: nn.Module) -> int:
@@ -342,5 +333,4 @@ def quantize_dense_model(model: nn.Module, numerics: str) -> int:
         if getattr(model, "lm_head", None) is None:
             model.lm_head = QuantLinear([model.embed_tokens.weight_q], None, numerics)
         count += 1
-    fuse_mlps(model)
     return count

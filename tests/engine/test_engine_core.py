@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
+from core_protocol import core_protocol_gaps
 
 from engine.core import EngineCore
 from engine.step_plan import RunnerOutput, StepPlan
@@ -22,6 +23,12 @@ def make_core(tiny_model_dir):
         return EngineCore(EngineConfig(model=str(tiny_model_dir), **options))
 
     return make
+
+
+def test_engine_core_has_every_member_of_the_core_protocol(make_core):
+    core = make_core(max_num_seqs=3, max_logprobs=4, swap_space=0.001)
+    assert core_protocol_gaps(core) == []
+    assert (core.max_num_seqs, core.max_logprobs) == (3, 4) and core.num_cpu_blocks > 0
 
 
 def add(core, rid, prompt, params=GREEDY, priority=0):

@@ -14,18 +14,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # NOTE: run as a script
 
 from engine.__main__ import main  # noqa: E402
+from ipc.config import EngineConfig  # noqa: E402
 from ipc.messages import AddRequest, EngineStats, TokenDelta  # noqa: E402
 
 
 class FakeCore:
-    """Obeys EngineCore's interface: one token per running request per step."""
+    """Obeys EngineCore's interface (engine.process.Core): one token per running request per
+    step; no swap pool, no prefix cache, one choice per request."""
 
     model_name = "fake"
     max_model_len = 64
     block_size = 16
     num_gpu_blocks = 8
+    num_cpu_blocks = 0
     eos_token_ids = [0]
     tokenizer_dir = "/nonexistent/tokenizer"
+    max_num_seqs = 0  # not reported
+    max_logprobs = EngineConfig.max_logprobs
 
     def __init__(self, *, fail_at_step: int | None = None, step_delay: float = 0.0) -> None:
         self.remaining: dict[str, int] = {}
@@ -43,6 +48,12 @@ class FakeCore:
     def abort_requests(self, request_ids: Iterable[str]) -> list[TokenDelta]:
         live = [r for r in request_ids if self.remaining.pop(r, None) is not None]
         return [TokenDelta(request_id=r, finish_reason="abort") for r in live]
+
+    def abort_choice(self, request_id: str, index: int) -> list[TokenDelta]:
+        return self.abort_requests([request_id]) if index == 0 else []
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return []
 
     def step(self) -> list[TokenDelta]:
         self.steps += 1

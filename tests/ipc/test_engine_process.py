@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 import pytest
+from core_protocol import core_protocol_gaps
 from fake_engine import FakeCore
 
 from engine.process import SHUTTING_DOWN, LoopOptions, run_engine
@@ -105,6 +106,27 @@ async def test_handshake_tokens_and_heartbeats() -> None:
         assert [d.finish_reason for d in per["b"]] == ["length"]
         _, beat = await h.until(Heartbeat)
         assert beat.step >= 3 and beat.stats is not None and beat.queue_depth == 0
+    finally:
+        assert await h.close() == 0
+
+
+def test_the_fake_core_has_every_member_of_the_core_protocol() -> None:
+    assert core_protocol_gaps(FakeCore()) == []
+
+
+async def test_handshake_and_heartbeat_carry_the_cores_own_values() -> None:
+    """The loop reads the core's typed members as they are (no probes with defaults)."""
+    core = FakeCore()
+    core.num_cpu_blocks, core.max_num_seqs, core.max_logprobs = 3, 5, 7
+    hashes = [bytes(range(32)), bytes(range(1, 33))]
+    core.cached_block_hashes = lambda: hashes
+    h = Harness(core)
+    try:
+        ready = await h.handshake()
+        assert (ready.num_cpu_blocks, ready.max_num_seqs, ready.max_logprobs) == (3, 5, 7)
+        _, beat = await h.until(Heartbeat)
+        # NOTE: ipc.prefix_hash.DIGEST_BYTES (8) of each hash, in order
+        assert beat.prefix_digest == bytes(range(8)) + bytes(range(1, 9))
     finally:
         assert await h.close() == 0
 

@@ -7,6 +7,7 @@ import c_build
 import pytest
 import torch
 
+from engine.models.accelerate import set_fused_cpu_ops
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding
 from engine.run.forward_context import ForwardContext, forward_context
@@ -82,7 +83,7 @@ def test_model_with_fused_ops_matches_the_torch_model():
         num_decodes=0, query_lens_cpu=[11], seq_lens_cpu=[11], max_decode_seq_len=0)
     outs = []
     for on in (False, True):
-        model.set_fused_cpu_ops(on)
+        set_fused_cpu_ops(model, on)
         assert model.fused_cpu_ops == on
         with forward_context(ForwardContext(meta, caches, torch_backend)):
             outs.append(model(ids, positions))
