@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.quant_linear import QuantLinear, QuantWeight
-from kernels import cpu_quant
+from kernels.cpu import quant as cpu_quant
 
 SHAPES = [(3072, 576, "Q4_1"), (576, 1536, "Q4_1"), (960, 576, "Q4_1"), (49152, 576, "Q8_0")]
 

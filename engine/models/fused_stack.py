@@ -15,7 +15,7 @@ import torch
 from engine.forward_context import get_forward_context
 from engine.models.llama import DecoderLayer, LlamaForCausalLM, RotaryEmbedding
 from engine.models.quant_linear import PREFILL_ROWS, QuantLinear, QuantMLP
-from kernels import cpu_fused
+from kernels.cpu import fused as cpu_fused
 
 
 class DecodeStack:

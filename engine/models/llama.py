@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.forward_context import get_forward_context
 from engine.models.config import ModelConfig
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 if TYPE_CHECKING:
     from engine.models.fused_stack import DecodeStack

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.llama import MLP
-from kernels import cpu_quant
+from kernels.cpu import quant as cpu_quant
+from kernels.cpu.ggml_types import Q8_0
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,6 @@ NUMERICS = ("a32", "a8")
 # expanding the whole matrix and torch's GEMM 0.63/1.11/1.10/1.25/1.80/2.79 ms (2026-12-01).
 PREFILL_ROWS = 64
 TILE_FEATURES = 2048  # output features expanded per GEMM tile in the prefill path
-Q8_0 = 8
 # NOTE: `python -m bench.quant_products`, two threads: packed a8 against F.linear on the
 # float32 weights, 576 -> 3072 Q4_1: 3.0/1.9/1.6x at 64/512/2048 rows (1536 -> 576: 2.3/1.8/
 # 1.4x); expanding tiles + GEMM there is 0.86-0.89x of F.linear. So a8 never expands packed

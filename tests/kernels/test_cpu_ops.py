@@ -10,8 +10,9 @@ import torch
 from engine.forward_context import ForwardContext, forward_context
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding
-from kernels import cpu_ops, torch_backend
-from kernels.metadata import AttentionMetadata
+from kernels.attention import torch_backend
+from kernels.attention.metadata import AttentionMetadata
+from kernels.cpu import ops as cpu_ops
 
 
 @pytest.fixture(autouse=True)

@@ -3,66 +3,22 @@
  * rope, the KV write, paged decode attention, the O product, add + RMSNorm and the one-call
  * MLP; then the final norm. The LM head stays with the caller.
  *
- * No kernel is written here: cpu_ops.c, cpu_quant.c and cpu_decode.c keep theirs (with their
- * own compile flags), and kernels/cpu_fused.py passes their addresses in a Kernels table. Each
- * kernel opens its own OpenMP region and they run one after another from this serial driver,
- * so libgomp's pool stays hot and no region nests. The same calls with the same arguments as
+ * No kernel is written here: ops.c, quant_packed.c, mlp.c and decode.c keep theirs (with their
+ * own compile flags) and this driver calls them in the same library (api.h). Each kernel
+ * opens its own OpenMP region and they run one after another from this serial driver, so
+ * libgomp's pool stays hot and no region nests. The same calls with the same arguments as
  * the per-layer path in engine/models/llama.py, so both give the same numbers.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef void (*norm_fn)(const float *x, float *residual, const float *weight, float *out,
-                        int64_t rows, int64_t hidden, float eps, int num_threads);
-typedef void (*rope_fn)(const float *x, int64_t x_stride, const int64_t *positions,
-                        const float *cos_t, const float *sin_t, float *out, int64_t tokens,
-                        int64_t heads, int64_t dim, int num_threads);
-typedef int (*matmul_fn)(int type, const uint8_t *packed, int64_t N, int64_t K, const float *x,
-                         int64_t xs, int64_t M, float *out, int64_t os, int numerics,
-                         int num_threads);
-typedef int (*mlp_fn)(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int64_t I,
-                      int64_t H, const float *x, int64_t M, float *out, int numerics, int act,
-                      int num_threads);
-typedef int64_t (*write_kv_fn)(const float *key, int64_t key_stride, const float *value,
-                               int64_t value_stride, float *k_cache, float *v_cache,
-                               int64_t num_slots, const int64_t *slots, int64_t num_tokens,
-                               int64_t width);
-typedef void (*decode_fn)(const float *q, int64_t q_stride, const float *k_cache,
-                          const float *v_cache, const int64_t *tables, int64_t table_stride,
-                          const int32_t *seq_lens, float *out, int64_t out_stride, int num_seqs,
-                          int heads, int kv_heads, int head_dim, int block_size, float scale,
-                          int window, int num_threads);
-/* the same over float16 pools (uint16_t bits) */
-typedef int64_t (*write_kv16_fn)(const float *key, int64_t key_stride, const float *value,
-                                 int64_t value_stride, uint16_t *k_cache, uint16_t *v_cache,
-                                 int64_t num_slots, const int64_t *slots, int64_t num_tokens,
-                                 int64_t width);
-typedef void (*decode16_fn)(const float *q, int64_t q_stride, const uint16_t *k_cache,
-                            const uint16_t *v_cache, const int64_t *tables,
-                            int64_t table_stride, const int32_t *seq_lens, float *out,
-                            int64_t out_stride, int num_seqs, int heads, int kv_heads,
-                            int head_dim, int block_size, float scale, int window,
-                            int num_threads);
-
-/* cpu_ops.c add_rms_norm_f32, rope_f32; cpu_quant.c quant_matmul_packed, quant_mlp_packed;
- * cpu_decode.c's KV write and decode for float32 pools, and for float16 pools where the
- * caller has them (NULL otherwise) */
-typedef struct {
-    norm_fn add_rms_norm;
-    rope_fn rope;
-    matmul_fn matmul;
-    mlp_fn mlp;
-    write_kv_fn write_kv;
-    decode_fn decode;
-    write_kv16_fn write_kv_f16;
-    decode16_fn decode_f16;
-} Kernels;
+#include "api.h"
 
 typedef struct {
     int64_t hidden, inter, heads, kv_heads, head_dim, block_size, num_slots;
     float eps, scale;
-    int numerics, act; /* cpu_quant.c's: 0 a32, 1 a8; 0 silu, 1 gelu_tanh */
+    int numerics, act; /* quant.h's: 0 a32, 1 a8; mlp.c's: 0 silu, 1 gelu_tanh */
     int kv_f16;        /* the pools hold float16 bits */
 } Shape;
 
@@ -74,39 +30,38 @@ typedef struct {
     void *k_cache, *v_cache; /* float or uint16_t (kv_f16) */
 } Layer;
 
-static int64_t write_kv(const Kernels *k, const Shape *s, const Layer *L, const float *key,
-                        int64_t key_stride, const float *value, int64_t value_stride,
-                        const int64_t *slots, int64_t rows)
+static int64_t write_kv(const Shape *s, const Layer *L, const float *key, int64_t key_stride,
+                        const float *value, int64_t value_stride, const int64_t *slots,
+                        int64_t rows)
 {
     const int64_t width = s->kv_heads * s->head_dim;
     if (s->kv_f16)
-        return k->write_kv_f16(key, key_stride, value, value_stride, L->k_cache, L->v_cache,
-                               s->num_slots, slots, rows, width);
-    return k->write_kv(key, key_stride, value, value_stride, L->k_cache, L->v_cache,
-                       s->num_slots, slots, rows, width);
+        return write_kv_f16(key, key_stride, value, value_stride, L->k_cache, L->v_cache,
+                            s->num_slots, slots, rows, width);
+    return write_kv_f32(key, key_stride, value, value_stride, L->k_cache, L->v_cache,
+                        s->num_slots, slots, rows, width);
 }
 
-static void decode(const Kernels *k, const Shape *s, const Layer *L, const float *q,
-                   int64_t q_stride, const int64_t *tables, int64_t table_stride,
-                   const int32_t *seq_lens, float *out, int64_t out_stride, int64_t rows,
-                   int num_threads)
+static void decode(const Shape *s, const Layer *L, const float *q, int64_t q_stride,
+                   const int64_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                   float *out, int64_t out_stride, int64_t rows, int num_threads)
 {
     if (s->kv_f16)
-        k->decode_f16(q, q_stride, L->k_cache, L->v_cache, tables, table_stride, seq_lens, out,
-                      out_stride, (int)rows, (int)s->heads, (int)s->kv_heads, (int)s->head_dim,
-                      (int)s->block_size, s->scale, 0, num_threads);
+        paged_decode_f16(q, q_stride, L->k_cache, L->v_cache, tables, table_stride, seq_lens,
+                         out, out_stride, (int)rows, (int)s->heads, (int)s->kv_heads,
+                         (int)s->head_dim, (int)s->block_size, s->scale, 0, num_threads);
     else
-        k->decode(q, q_stride, L->k_cache, L->v_cache, tables, table_stride, seq_lens, out,
-                  out_stride, (int)rows, (int)s->heads, (int)s->kv_heads, (int)s->head_dim,
-                  (int)s->block_size, s->scale, 0, num_threads);
+        paged_decode_f32(q, q_stride, L->k_cache, L->v_cache, tables, table_stride, seq_lens,
+                         out, out_stride, (int)rows, (int)s->heads, (int)s->kv_heads,
+                         (int)s->head_dim, (int)s->block_size, s->scale, 0, num_threads);
 }
 
 /* x [rows, hidden]: the embedded tokens; out [rows, hidden]: the final norm of the last
  * layer's hidden state. positions, slots [rows]; tables [rows, table_stride] block ids;
  * seq_lens [rows] (each with the new token); cos/sin: rope's full [positions, D] tables.
  * Returns 0, -1 when a kernel or an allocation failed, -2 when a slot is out of range. */
-int fused_decode_stack(const Kernels *k, const Shape *s, const Layer *layers, int num_layers,
-                       const float *x, int64_t rows, const int64_t *positions,
+int fused_decode_stack(const Shape *s, const Layer *layers, int num_layers, const float *x,
+                       int64_t rows, const int64_t *positions,
                        const int64_t *slots, const int64_t *tables, int64_t table_stride,
                        const int32_t *seq_lens, const float *cos_t, const float *sin_t,
                        const float *final_norm, float *out, int num_threads)
@@ -114,8 +69,6 @@ int fused_decode_stack(const Kernels *k, const Shape *s, const Layer *layers, in
     const int64_t H = s->hidden, D = s->head_dim, M = rows;
     const int64_t nq = s->heads * D, nkv = s->kv_heads * D;
     const int64_t nqkv = nq + 2 * nkv, nqk = nq + nkv;
-    if (s->kv_f16 && !(k->write_kv_f16 && k->decode_f16))
-        return -1;
     /* residual stream, layer output, normed input, qkv, rotated q|k, attention, O product */
     float *buf = malloc(sizeof(float) * (size_t)(M * (4 * H + nqkv + nqk + nq)));
     if (!buf)
@@ -127,35 +80,35 @@ int fused_decode_stack(const Kernels *k, const Shape *s, const Layer *layers, in
     for (int l = 0; l < num_layers && !rc; l++) {
         const Layer *L = layers + l;
         /* layer 0 norms the embedding; later layers add their input to the residual first */
-        k->add_rms_norm(l ? cur : res, l ? res : NULL, L->input_norm, h, M, H, s->eps,
-                        num_threads);
-        if (k->matmul((int)L->qkv_type, L->qkv, nqkv, H, h, H, M, qkv, nqkv, s->numerics,
-                      num_threads)) {
+        add_rms_norm_f32(l ? cur : res, l ? res : NULL, L->input_norm, h, M, H, s->eps,
+                         num_threads);
+        if (quant_matmul_packed((int)L->qkv_type, L->qkv, nqkv, H, h, H, M, qkv, nqkv,
+                                s->numerics, num_threads)) {
             rc = -1;
             break;
         }
-        k->rope(qkv, nqkv, positions, cos_t, sin_t, qk, M, s->heads + s->kv_heads, D,
-                num_threads);
-        if (write_kv(k, s, L, qk + nq, nqk, qkv + nqk, nqkv, slots, M)) {
+        rope_f32(qkv, nqkv, positions, cos_t, sin_t, qk, M, s->heads + s->kv_heads, D,
+                 num_threads);
+        if (write_kv(s, L, qk + nq, nqk, qkv + nqk, nqkv, slots, M)) {
             rc = -2;
             break;
         }
-        decode(k, s, L, qk, nqk, tables, table_stride, seq_lens, attn, nq, M, num_threads);
-        if (k->matmul((int)L->o_type, L->o, H, nq, attn, nq, M, o, H, s->numerics,
-                      num_threads)) {
+        decode(s, L, qk, nqk, tables, table_stride, seq_lens, attn, nq, M, num_threads);
+        if (quant_matmul_packed((int)L->o_type, L->o, H, nq, attn, nq, M, o, H, s->numerics,
+                                num_threads)) {
             rc = -1;
             break;
         }
-        k->add_rms_norm(o, res, L->post_norm, h, M, H, s->eps, num_threads);
-        if (k->mlp((int)L->gate_up_type, L->gate_up, (int)L->down_type, L->down, s->inter, H,
-                   h, M, cur, s->numerics, s->act, num_threads))
+        add_rms_norm_f32(o, res, L->post_norm, h, M, H, s->eps, num_threads);
+        if (quant_mlp_packed((int)L->gate_up_type, L->gate_up, (int)L->down_type, L->down,
+                             s->inter, H, h, M, cur, s->numerics, s->act, num_threads))
             rc = -1;
     }
     if (!rc) {
         if (num_layers > 0)
-            k->add_rms_norm(cur, res, final_norm, out, M, H, s->eps, num_threads);
+            add_rms_norm_f32(cur, res, final_norm, out, M, H, s->eps, num_threads);
         else
-            k->add_rms_norm(res, NULL, final_norm, out, M, H, s->eps, num_threads);
+            add_rms_norm_f32(res, NULL, final_norm, out, M, H, s->eps, num_threads);
     }
     free(buf);
     return rc;
