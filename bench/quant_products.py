@@ -1,4 +1,4 @@
-"""Quantized products beside torch's float32 GEMM, by row count (kernels/cpu_quant.py).
+"""Quantized products beside torch's float32 GEMM, by row count (kernels/cpu/quant.py).
 
     python -m bench.quant_products [--rows 1,8,64,256,1024,2048] [--threads N]
 

@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.fused = False  # kernels/cpu_ops.py's one-pass kernel (set_fused_cpu_ops)
+        self.fused = False  # kernels/cpu/ops.py's one-pass kernel (set_fused_cpu_ops)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """weight * RMSNorm(x); with `residual`, (normed, new residual): the new residual is
@@ -106,7 +106,7 @@ class RotaryEmbedding:
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool = False):
-        """The batch's tables; fused: kernels/cpu_ops.py indexes the full ones where it can."""
+        """The batch's tables; fused: kernels/cpu/ops.py indexes the full ones where it can."""
         fused = fused and dtype == torch.float32 and cpu_ops.rope_fits(positions, self.cos)
         return RopeTables(self, positions, dtype, fused)
 
@@ -298,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def set_fused_cpu_ops(self, on: bool) -> None:
-        """Run RMSNorm (with its residual add) and rope in kernels/cpu_ops.py's C kernels where
+        """Run RMSNorm (with its residual add) and rope in kernels/cpu/ops.py's C kernels where
         the tensors are float32 on the CPU; off (the default): the torch formulas. On, a
         model of packed quantized layers also gets its one-call decode stack."""
         from engine.models.fused_stack import DecodeStack  # NOTE: it imports this module

@@ -71,7 +71,7 @@ def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
 def resolve_quantization(mode: str, source: ModelSource, dtype: torch.dtype,
                          device: torch.device, tensor_parallel_size: int = 1) -> str:
     """The concrete mode for `--quantization`: auto keeps a GGUF's blocks where the quantized
-    kernels run (float32 on a CPU with kernels/cpu_quant.c built, one rank), else none."""
+    kernels run (float32 on a CPU with the CPU library (kernels/cpu) built, one rank), else none."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}")
     if mode == "none":

@@ -1,4 +1,4 @@
-"""Linear and embedding layers whose weights stay in GGUF blocks (kernels/cpu_quant.py).
+"""Linear and embedding layers whose weights stay in GGUF blocks (kernels/cpu/quant.py).
 
 `install_quantized(model, weights, numerics)` is the one hook a model family needs: given the
 HF-named weights of a checkpoint as `QuantWeight`s (raw blocks from a GGUF, or Q8_0 blocks made
@@ -63,7 +63,7 @@ def packed_rows_limit(numerics: str) -> int:
 class QuantWeight:
     """One 2-D weight: raw blocks [rows, row_bytes] of ggml type `type_id` holding `cols`
     weights per row, or (type_id None) a dense float32 tensor [rows, cols]; packed: the
-    blocks repacked into kernels/cpu_quant.c's 16-feature tiles (a 1-D uint8 tensor)."""
+    blocks repacked into kernels/cpu/csrc/quant_packed.c's 16-feature tiles (a 1-D uint8 tensor)."""
 
     data: torch.Tensor
     type_id: int | None
@@ -124,7 +124,7 @@ class QuantLinear(nn.Module):
     @property
     def packed_weight(self) -> QuantWeight | None:
         """The layer's one packed part when it is a single packed product without bias (the
-        decode fast path; kernels/cpu_fused.c takes such layers), else None."""
+        decode fast path; kernels/cpu/csrc/fused.c takes such layers), else None."""
         return self.parts[0] if self._product is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

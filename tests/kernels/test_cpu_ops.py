@@ -1,4 +1,4 @@
-"""kernels/cpu_ops.py's fused RMSNorm and rope against the model's torch formulas, and the
+"""kernels/cpu/ops.py's fused RMSNorm and rope against the model's torch formulas, and the
 model with them on against the model with them off."""
 
 from __future__ import annotations
