@@ -14,7 +14,7 @@ import torch
 
 from engine.llm import LLM
 from ipc.sampling import SamplingParams
-from kernels import torch_backend
+from kernels.attention import torch_backend
 
 PROMPTS = [
     "The capital of France is",

@@ -1,4 +1,4 @@
-"""Quantized products beside torch's float32 GEMM, by row count (kernels/cpu_quant.py).
+"""Quantized products beside torch's float32 GEMM, by row count (kernels/cpu/quant.py).
 
     python -m bench.quant_products [--rows 1,8,64,256,1024,2048] [--threads N]
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.quant_linear import QuantLinear, QuantWeight
-from kernels import cpu_quant
+from kernels.cpu import quant as cpu_quant
 
 SHAPES = [(3072, 576, "Q4_1"), (576, 1536, "Q4_1"), (960, 576, "Q4_1"), (49152, 576, "Q8_0")]
 

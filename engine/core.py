@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +31,7 @@ from ipc.config import EngineConfig, step_token_budget
 from ipc.messages import AddRequest, EngineStats, TokenDelta
 from ipc.model_source import resolve_model
 from ipc.prefix_hash import salt_bytes
-from kernels import auto_backend, get_backend
+from kernels import Backend, auto_backend, get_backend
 
 if TYPE_CHECKING:
     from engine.parallel.driver import Ranks, TensorParallelRunner
@@ -90,7 +89,7 @@ class EngineCore:
 
     # ---- build stages --------------------------------------------------------------------------
 
-    def _attention_backend(self, config: EngineConfig) -> ModuleType:
+    def _attention_backend(self, config: EngineConfig) -> Backend:
         """The backend that runs (auto resolved here), checked before any model loads."""
         self.attention_backend = (auto_backend(self.device.type, self.kv_dtype == self.dtype)
                                   if config.attention_backend == "auto"
@@ -118,7 +117,7 @@ class EngineCore:
         self.num_params = count_weights(model)
         return model, ranks
 
-    def _accelerate(self, backend: ModuleType, model: torch.nn.Module,
+    def _accelerate(self, backend: Backend, model: torch.nn.Module,
                     draft: torch.nn.Module | None) -> str:
         """Every CPU fast path in the draft model, then the target (engine/models/
         accelerate.py); returns the target's linear mode."""
@@ -161,7 +160,7 @@ class EngineCore:
             preemption,
         )
 
-    def _build_runner(self, config: EngineConfig, backend: ModuleType,
+    def _build_runner(self, config: EngineConfig, backend: Backend,
                       model: torch.nn.Module, draft: torch.nn.Module | None,
                       ranks: Ranks | None) -> ModelRunner | TensorParallelRunner:
         sampler = Sampler(config.seed, self.device)

@@ -23,7 +23,7 @@ def require(error: str | None) -> None:
     pytest.skip(f"C kernels not built here: {error}")
 
 
-# NOTE: /proc/cpuinfo's names for what kernels/cpu_quant.c's isa_supported asks the CPU for
+# NOTE: /proc/cpuinfo's names for what kernels/cpu/csrc/quant.c's isa_supported asks the CPU for
 CPUINFO_FLAGS = {"scalar": set(), "avx2": {"avx2", "fma", "f16c"},
                  "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
                             "avx512dq", "avx512_vnni"}}

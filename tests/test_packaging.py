@@ -25,4 +25,4 @@ def test_non_python_files_are_package_data() -> None:
         if not any(fnmatch.fnmatch(rest, pattern) for pattern in data.get(package, [])):
             missing.append(path)
     assert not missing, f"not in [tool.setuptools.package-data]: {missing}"
-    assert "kernels/cpu_decode.c" in tracked
+    assert "kernels/cpu/csrc/decode.c" in tracked

@@ -14,7 +14,7 @@ from engine.models.cpu_linear import pack_linears, resolve_mode
 from engine.models.fused_stack import DecodeStack
 from engine.models.llama import MLP, LlamaForCausalLM, RMSNorm
 from engine.models.quant_linear import QuantMLP
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class FastPaths:
 
     cpu_linear: str  # the --cpu-linear mode applied to its dense linears (torch: none packed)
     fused_mlps: int  # MLPs whose gate/up, activation and down run as one kernel call
-    fused_cpu_ops: bool  # RMSNorm (with its residual add) and rope in kernels/cpu_ops.py
+    fused_cpu_ops: bool  # RMSNorm (with its residual add) and rope in kernels/cpu/ops.py
     decode_stack: bool  # a plain decode step's whole layer stack in one C call
 
 
@@ -60,7 +60,7 @@ def fuse_mlps(model: nn.Module) -> int:
 
 
 def set_fused_cpu_ops(model: LlamaForCausalLM, on: bool) -> bool:
-    """Run RMSNorm (with its residual add) and rope in kernels/cpu_ops.py's C kernels where
+    """Run RMSNorm (with its residual add) and rope in kernels/cpu/ops.py's C kernels where
     the tensors are float32 on the CPU; off: the torch formulas. On, a model of packed
     quantized layers also gets its one-call decode stack. Returns whether it is on (not
     where the C kernels cannot be built)."""

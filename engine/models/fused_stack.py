@@ -1,9 +1,9 @@
-"""The decoder stack of a plain decode step in one C call (kernels/cpu_fused.py) for
+"""The decoder stack of a plain decode step in one C call (kernels/cpu/fused.py) for
 Llama-layout models whose projections are all packed quantized layers.
 
 `DecodeStack.build(model)` says whether a model qualifies (else None: its layers always run
 one by one); `fits` decides per step (every row one token, KV pools of a dtype the driver
-takes: kernels/cpu_fused.py's KV_SLOTS, the `cpu` attention backend), and the
+takes: kernels/cpu/fused.py's KV_DTYPES, the `cpu` attention backend), and the
 per-layer path runs whatever it does not take: prefill and mixed steps, speculative
 verification, the FP8 cache, the torch backend.
 """
@@ -15,11 +15,11 @@ import torch
 from engine.models.llama import DecoderLayer, LlamaForCausalLM, RotaryEmbedding
 from engine.models.quant_linear import PREFILL_ROWS, QuantLinear, QuantMLP
 from engine.run.forward_context import get_forward_context
-from kernels import cpu_fused
+from kernels.cpu import fused as cpu_fused
 
 
 class DecodeStack:
-    """A model's layers as one kernels/cpu_fused.py call; `calls` counts the steps it ran,
+    """A model's layers as one kernels/cpu/fused.py call; `calls` counts the steps it ran,
     `partial_calls` those of the first layers only (self drafts)."""
 
     def __init__(self, kernel: cpu_fused.DecodeStack) -> None:

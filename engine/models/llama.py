@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 from engine.run.forward_context import get_forward_context
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 
 # NOTE: the fast-path slots below (RMSNorm.fused, MLP.fused, LlamaForCausalLM.fused_cpu_ops
@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.fused = False  # kernels/cpu_ops.py's one-pass kernel (accelerate.py sets it)
+        self.fused = False  # kernels/cpu/ops.py's one-pass kernel (accelerate.py sets it)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """weight * RMSNorm(x); with `residual`, (normed, new residual): the new residual is
@@ -122,7 +122,7 @@ class RotaryEmbedding:
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool = False):
-        """The batch's tables; fused: kernels/cpu_ops.py indexes the full ones where it can."""
+        """The batch's tables; fused: kernels/cpu/ops.py indexes the full ones where it can."""
         fused = fused and dtype == torch.float32 and cpu_ops.rope_fits(positions, self.cos)
         return RopeTables(self, positions, dtype, fused)
 
@@ -280,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
         self.local_rope: RotaryEmbedding | None = None  # Gemma 3's windowed layers
-        self.fused_cpu_ops = False  # rope in kernels/cpu_ops.py's C kernel (accelerate.py)
+        self.fused_cpu_ops = False  # rope in kernels/cpu/ops.py's C kernel (accelerate.py)
         # a plain decode step's whole stack in one C call (engine/models/fused_stack.py),
         # installed by accelerate.py where every layer is a packed quantized one
         self.decode_stack: FusedStack | None = None

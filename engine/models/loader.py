@@ -71,7 +71,7 @@ def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
 def resolve_quantization(mode: str, source: ModelSource, dtype: torch.dtype,
                          device: torch.device, tensor_parallel_size: int = 1) -> str:
     """The concrete mode for `--quantization`: auto keeps a GGUF's blocks where the quantized
-    kernels run (float32 on a CPU with kernels/cpu_quant.c built, one rank), else none."""
+    kernels run (float32 on a CPU with the CPU library (kernels/cpu) built, one rank), else none."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}")
     if mode == "none":
@@ -81,7 +81,7 @@ def resolve_quantization(mode: str, source: ModelSource, dtype: torch.dtype,
     if mode == "int8" and source.is_gguf:
         raise ValueError("quantization int8 is for dense checkpoints: a GGUF keeps its own "
                          "types with gguf (or auto)")
-    from kernels import cpu_quant
+    from kernels.cpu import quant as cpu_quant
 
     why = None
     if device.type != "cpu" or dtype != torch.float32:
@@ -89,7 +89,7 @@ def resolve_quantization(mode: str, source: ModelSource, dtype: torch.dtype,
     elif tensor_parallel_size > 1:
         why = "tensor_parallel_size 1"
     elif not cpu_quant.available():
-        why = "kernels/cpu_quant.c, which could not be built (no C compiler?)"
+        why = "kernels/cpu (the C library), which could not be built (no C compiler?)"
     if mode == "auto":
         return "gguf" if source.is_gguf and why is None else "none"
     if why is not None:
@@ -151,7 +151,7 @@ def _gguf_quantized(source: ModelSource, dtype: torch.dtype, device: torch.devic
     from gguf.quants import dequantize
 
     from engine.models.quant_linear import QuantWeight, install_quantized
-    from kernels import cpu_quant
+    from kernels.cpu import quant as cpu_quant
 
     reader = _open_gguf(source.path)
     cfg = gguf_config(reader)

@@ -1,4 +1,4 @@
-"""Linear and embedding layers whose weights stay in GGUF blocks (kernels/cpu_quant.py).
+"""Linear and embedding layers whose weights stay in GGUF blocks (kernels/cpu/quant.py).
 
 `install_quantized(model, weights, numerics)` is the one hook a model family needs: given the
 HF-named weights of a checkpoint as `QuantWeight`s (raw blocks from a GGUF, or Q8_0 blocks made
@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_quant
+from kernels.cpu import quant as cpu_quant
+from kernels.cpu.ggml_types import Q8_0
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,6 @@ NUMERICS = ("a32", "a8")
 # expanding the whole matrix and torch's GEMM 0.63/1.11/1.10/1.25/1.80/2.79 ms (2026-12-01).
 PREFILL_ROWS = 64
 TILE_FEATURES = 2048  # output features expanded per GEMM tile in the prefill path
-Q8_0 = 8
 # NOTE: `python -m bench.quant_products`, two threads: packed a8 against F.linear on the
 # float32 weights, 576 -> 3072 Q4_1: 3.0/1.9/1.6x at 64/512/2048 rows (1536 -> 576: 2.3/1.8/
 # 1.4x); expanding tiles + GEMM there is 0.86-0.89x of F.linear. So a8 never expands packed
@@ -62,7 +62,7 @@ def packed_rows_limit(numerics: str) -> int:
 class QuantWeight:
     """One 2-D weight: raw blocks [rows, row_bytes] of ggml type `type_id` holding `cols`
     weights per row, or (type_id None) a dense float32 tensor [rows, cols]; packed: the
-    blocks repacked into kernels/cpu_quant.c's 16-feature tiles (a 1-D uint8 tensor)."""
+    blocks repacked into kernels/cpu/csrc/quant_packed.c's 16-feature tiles (a 1-D uint8 tensor)."""
 
     data: torch.Tensor
     type_id: int | None
@@ -123,7 +123,7 @@ class QuantLinear(nn.Module):
     @property
     def packed_weight(self) -> QuantWeight | None:
         """The layer's one packed part when it is a single packed product without bias (the
-        decode fast path; kernels/cpu_fused.c takes such layers), else None."""
+        decode fast path; kernels/cpu/csrc/fused.c takes such layers), else None."""
         return self.parts[0] if self._product is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

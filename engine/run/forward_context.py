@@ -5,18 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, Backend
 
 
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
-    backend: ModuleType  # has write_kv() and paged_attention()
+    backend: Backend  # has write_kv() and paged_attention()
 
 
 _current: ForwardContext | None = None

@@ -6,7 +6,6 @@ tokens as plain data (engine.step_plan.RunnerOutput).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import numpy as np
 import torch
@@ -26,7 +25,8 @@ from engine.step_plan import (
     decode_first,
 )
 from ipc.messages import PositionLogprobs
-from kernels import AttentionMetadata, cpu_ops
+from kernels import AttentionMetadata, Backend
+from kernels.cpu import ops as cpu_ops
 
 # NOTE: prompt logits go through the LM head this many rows at a time (a [rows, vocab]
 # float32 block: 256 x 49152 is 50 MB)
@@ -41,7 +41,7 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         sampler: Sampler,
-        backend: ModuleType,
+        backend: Backend,
         device: torch.device,
         kv_dtype: torch.dtype,
         num_cpu_blocks: int = 0,

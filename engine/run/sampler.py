@@ -16,7 +16,7 @@ import torch
 from engine.run.verify import verify as verify_drafts
 from ipc.messages import PositionLogprobs, TokenLogprob
 from ipc.sampling import SamplingParams
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
 
 
 class SamplingRow(Protocol):

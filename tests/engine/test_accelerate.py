@@ -18,7 +18,9 @@ from engine.models.cpu_linear import PackedLinear, onednn_available
 from engine.models.llama import RMSNorm
 from engine.models.loader import load_model
 from ipc.model_source import resolve_model
-from kernels import BACKENDS, cpu_fused, cpu_quant
+from kernels.attention import BACKENDS
+from kernels.cpu import fused as cpu_fused
+from kernels.cpu import quant as cpu_quant
 
 CPU = torch.device("cpu")
 
@@ -35,7 +37,7 @@ def _declared_fused_cpu_ops(module: str) -> list[object]:
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_every_attention_backend_declares_fused_cpu_ops(name):
-    assert _declared_fused_cpu_ops(BACKENDS[name]) == [name == "cpu"]
+    assert _declared_fused_cpu_ops(BACKENDS[name].module) == [name == "cpu"]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The one-call decoder stack (engine/models/fused_stack.py, kernels/cpu_fused.c) on tiny
+"""The one-call decoder stack (engine/models/fused_stack.py, kernels/cpu/csrc/fused.c) on tiny
 GGUF files: against the per-layer path on the same model and KV state, and where it must
 leave a step to the per-layer path. Greedy parity with `--quantization none` while the stack
 runs is checked in test_quantized.py (test_gguf_a32_equals_dequantized).
@@ -13,7 +13,10 @@ from tiny_quant_gguf import write_tiny_gguf
 
 from engine import LLM, SamplingParams
 from engine.run.forward_context import ForwardContext, forward_context
-from kernels import AttentionMetadata, cpu_backend, cpu_fused, cpu_quant, torch_backend
+from kernels import AttentionMetadata
+from kernels.attention import cpu_backend, torch_backend
+from kernels.cpu import fused as cpu_fused
+from kernels.cpu import quant as cpu_quant
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +72,7 @@ def _copy(caches):
     return [(k.clone(), v.clone()) for k, v in caches]
 
 
-@pytest.mark.parametrize("kv_dtype", list(cpu_fused.KV_SLOTS))
+@pytest.mark.parametrize("kv_dtype", list(cpu_fused.KV_DTYPES))
 @pytest.mark.parametrize("lens", [[1], [40], [1, 17, 40, 100], [16, 33, 250, 2, 64, 5, 129]])
 def test_stack_equals_the_per_layer_path(llm, lens, kv_dtype):
     """Same model, same KV state: the same hidden states and KV writes, for each pool dtype

@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, kv_scale_name
 from engine.parallel.layers import _local_scale, shard_plan
-from kernels import torch_backend
+from kernels.attention import torch_backend
 
 LAYERS, KV_HEADS = 2, 2
 # K and V projections times GAIN, Q and O projections divided by it: the same model in exact

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kernels import cpu_quant
+from kernels.cpu import quant as cpu_quant
 
 MAX_NEW = 24
 LENGTHS = [1, 5, 17, 32, 64, 100, 181, 300]

@@ -18,7 +18,7 @@ from engine import LLM, SamplingParams
 from engine.models.loader import float32_cache
 from engine.models.quant_linear import QuantEmbedding, QuantLinear
 from ipc.model_source import resolve_model
-from kernels import cpu_quant
+from kernels.cpu import quant as cpu_quant
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,7 @@ def test_torch_write_kv_skips_padding():
 
 def test_auto_on_cpu_is_the_c_kernel_or_torch():
     assert auto_backend("cpu") in ("cpu", "torch")  # torch only without a C compiler
-    assert get_backend("auto", "cpu").__name__ == f"kernels.{auto_backend('cpu')}_backend"
+    assert get_backend("auto", "cpu").__name__ == f"kernels.attention.{auto_backend('cpu')}_backend"
     assert auto_backend("mps") == "torch"
 
 
@@ -47,7 +47,7 @@ def test_auto_on_cuda_skips_flash_attn_for_another_cache_dtype(monkeypatch):
     monkeypatch.setattr(importlib, "import_module", fake_import)
     assert auto_backend("cuda") == "flash_attn"
     assert auto_backend("cuda", cache_like_model=False) == "triton"
-    assert "kernels.flash_attn_backend" not in tried[1:]
+    assert "kernels.attention.flash_attn_backend" not in tried[1:]
 
 
 def test_kernels_work_without_triton():
@@ -55,8 +55,8 @@ def test_kernels_work_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import kernels\n"
-        "assert kernels.get_backend('auto', 'cpu').__name__ in ('kernels.cpu_backend', "
-        "'kernels.torch_backend')\n"
+        "assert kernels.get_backend('auto', 'cpu').__name__ in ('kernels.attention.cpu_backend', "
+        "'kernels.attention.torch_backend')\n"
         "assert kernels.auto_backend('cuda') == 'torch'\n"
         "try:\n"
         "    kernels.get_backend('triton', 'cuda')\n"
@@ -73,7 +73,7 @@ def test_flash_attn_missing_is_a_clear_error(monkeypatch):
     # NOTE: None in sys.modules makes an import fail, as on a machine without these builds
     for name in ("flash_attn_interface", "vllm", "vllm.vllm_flash_attn"):
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.delitem(sys.modules, "kernels.flash_attn_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "kernels.attention.flash_attn_backend", raising=False)
     with pytest.raises(ValueError, match="FlashAttention-3.*--attention-backend triton"):
         get_backend("flash_attn", "cuda")
 
@@ -112,7 +112,7 @@ def _fake_fa3(calls: list[dict]) -> types.ModuleType:
 def test_flash_attn_adapter_maps_metadata_to_fa3(monkeypatch):
     calls: list[dict] = []
     monkeypatch.setitem(sys.modules, "flash_attn_interface", _fake_fa3(calls))
-    monkeypatch.delitem(sys.modules, "kernels.flash_attn_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "kernels.attention.flash_attn_backend", raising=False)
     try:
         backend = get_backend("flash_attn", "cuda")
         assert backend.KIND == "fa3"
@@ -135,7 +135,7 @@ def test_flash_attn_adapter_maps_metadata_to_fa3(monkeypatch):
             cache8 = b.k_cache.to(torch.float8_e4m3fn)
             backend.paged_attention(b.q, cache8, cache8, b.meta, 1.0)
     finally:
-        sys.modules.pop("kernels.flash_attn_backend", None)
+        sys.modules.pop("kernels.attention.flash_attn_backend", None)
         if hasattr(kernels, "flash_attn_backend"):
             delattr(kernels, "flash_attn_backend")
 

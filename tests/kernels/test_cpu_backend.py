@@ -27,7 +27,7 @@ from kernels import auto_backend, get_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 try:
-    from kernels import cpu_backend
+    from kernels.attention import cpu_backend
 except ImportError as e:
     cpu_backend, BUILD_ERROR = None, str(e)
 else:
@@ -59,7 +59,7 @@ def test_cpu_write_kv_skips_padding():
 
 def test_cpu_write_kv_of_strided_rows_equals_the_torch_backend():
     """K and V as the model passes them: views into the fused qkv rows."""
-    from kernels import torch_backend
+    from kernels.attention import torch_backend
 
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(9, 5, 16, generator=gen)  # [tokens, 3 q + 1 k + 1 v heads, head_dim]
@@ -109,7 +109,7 @@ def test_what_the_kernel_does_not_take_goes_to_torch():
 def test_loading_the_kernel_keeps_denormals():
     """-ffast-math objects must not bring crtfastmath's process-wide flush-to-zero."""
     code = ("import torch\n"
-            "import kernels.cpu_backend\n"
+            "import kernels.attention.cpu_backend\n"
             "x = torch.tensor([1e-40])\n"
             "assert (x / 2).item() != 0.0, 'denormals flushed'\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
@@ -131,7 +131,7 @@ def test_without_a_compiler_auto_is_torch(tmp_path):
 
 def test_the_build_is_cached_per_source_and_machine(tmp_path):
     env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path)}
-    code = "import kernels.cpu_backend"
+    code = "import kernels.attention.cpu_backend"
     for _ in range(2):
         subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120, env=env)
     built = list((tmp_path / "kernels").iterdir())

@@ -1,4 +1,4 @@
-"""The float16 KV cache on the CPU (--kv-cache-dtype float16): cpu_decode.c's paged_decode_f16
+"""The float16 KV cache on the CPU (--kv-cache-dtype float16): csrc/decode.c's paged_decode_f16
 and write_kv_f16 against float64 attention over the same float16-rounded K/V and against
 torch's float16 cast, the portable conversion (a build without F16C), and the engine's greedy
 tokens and log-probs beside a float32 cache."""
@@ -16,10 +16,11 @@ from agreement import greedy_agreement
 from kernel_cases import TOLERANCES, check_attention, make_batch, reference
 from tiny_llama import build_tiny_llama
 
-from kernels import cc_build, torch_backend
+from kernels.attention import torch_backend
+from kernels.cpu import library
 
 try:
-    from kernels import cpu_backend
+    from kernels.attention import cpu_backend
 except ImportError as e:
     cpu_backend, BUILD_ERROR = None, str(e)
 else:
@@ -111,16 +112,14 @@ def test_f16_write_rounds_as_torch_casts():
 
 @pytest.fixture(scope="module")
 def portable_lib() -> ctypes.CDLL:
-    """cpu_decode.c built for baseline x86-64 (no F16C, no AVX): the portable conversions."""
-    flags = [f for f in cpu_backend.FLAGS if not f.startswith("-march")] + ["-march=x86-64"]
+    """The CPU library built for baseline x86-64 (no F16C, no AVX): the portable conversions."""
+    def portable(flags: list[str]) -> list[str]:
+        return [f for f in flags if not f.startswith("-march")] + ["-march=x86-64"]
+
     try:
-        lib = cc_build.build(cpu_backend.SOURCE, flags)
+        return library.build(portable)
     except ImportError as e:
         c_build.require(str(e))
-    lib.paged_decode_f16.argtypes = cpu_backend._DECODE[torch.float32].argtypes
-    for name in ("half_bits_to_float_n", "float_to_half_bits_n"):
-        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    return lib
 
 
 def test_portable_conversions_equal_numpy(portable_lib):

@@ -1,4 +1,4 @@
-"""kernels/cpu_ops.py's fused RMSNorm and rope against the model's torch formulas, and the
+"""kernels/cpu/ops.py's fused RMSNorm and rope against the model's torch formulas, and the
 model with them on against the model with them off."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from engine.models.accelerate import set_fused_cpu_ops
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding
 from engine.run.forward_context import ForwardContext, forward_context
-from kernels import cpu_ops, torch_backend
-from kernels.metadata import AttentionMetadata
+from kernels.attention import torch_backend
+from kernels.attention.metadata import AttentionMetadata
+from kernels.cpu import ops as cpu_ops
 
 
 @pytest.fixture(autouse=True)

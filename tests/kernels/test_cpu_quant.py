@@ -1,4 +1,4 @@
-"""kernels/cpu_quant.c against float64 products of the `gguf` package's dequantized weights.
+"""kernels/cpu/quant.py against float64 products of the `gguf` package's dequantized weights.
 
 Random blocks of every type (random bytes with finite fp16 scales, some extreme: +-65504,
 subnormal, zero; some whole blocks zero), every row count 1..70, each ISA path forced.
@@ -16,7 +16,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kernels import cpu_quant
+from kernels.cpu import quant as cpu_quant
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ assert os.environ.get("TRITON_INTERPRET") != "1", (
     "TRITON_INTERPRET=1 replaces kernels by interpreted ones: unset it to compile for sm_90")
 import triton  # noqa: E402
 
-from kernels import triton_aot  # noqa: E402
+from kernels.attention import triton_aot  # noqa: E402
 
 GPU_TRITON = "3.6.0"  # what the lent H200 machine has
 

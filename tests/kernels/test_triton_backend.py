@@ -55,7 +55,7 @@ def test_engine_greedy_triton_equals_torch(interpreter, tiny_model_dir, kv_cache
 
 
 def test_split_plan_covers_every_key():
-    from kernels.triton_backend import MAX_SPLITS, num_splits_for, split_plan
+    from kernels.attention.triton_backend import MAX_SPLITS, num_splits_for, split_plan
 
     assert split_plan(301, 3, 128) == (128, 3)  # the 'long' batch's cases really split
     assert split_plan(41, 3, 128) == (128, 1)  # short sequences fall back to one split

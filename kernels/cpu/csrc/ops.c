@@ -2,10 +2,13 @@
  *
  * Compiled without -ffast-math and with -ffp-contract=off: every product and sum is the IEEE
  * operation HF's torch formulas perform, in their order, so rope is bit-identical; RMSNorm
- * differs only in the order of its sum of squares (vector lanes). Loaded by kernels/cpu_ops.py.
+ * differs only in the order of its sum of squares (vector lanes). Called by kernels/cpu/ops.py
+ * and by fused.c.
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "api.h"
 
 /* residual (when not NULL) += x, then out = weight * (s * (1 / sqrt(mean(s^2) + eps))) where s
  * is the new residual (or x); rows of `hidden` floats, contiguous. */

@@ -1,6 +1,6 @@
 """Triton kernels over the paged KV cache: KV write, varlen paged attention, split-KV decode.
 
-Launch logic and configurations live in kernels/triton_backend.py; this module is kernels only.
+Launch logic and configurations live in triton_backend.py; this module is kernels only.
 Cache layout: [num_blocks, page_size, num_kv_heads, head_dim], head_dim contiguous.
 """
 

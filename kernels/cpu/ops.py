@@ -1,5 +1,5 @@
-"""Fused float32 CPU ops of the Llama block in C: residual add + RMSNorm, rope, and the
-greedy sampler's argmax.
+"""Fused float32 CPU ops of the Llama block in C (csrc/ops.c): residual add + RMSNorm, rope,
+and the greedy sampler's argmax.
 
 Each replaces several torch ops (RMSNorm alone is six, rope five with its table lookups) by one
 call over the rows; in a decode step those ops are small and their fixed per-op cost is what
@@ -9,44 +9,13 @@ engine does with the `cpu` attention backend) and the tensors fit; the torch for
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_ops.c")
-# NOTE: no -ffast-math and no FMA contraction: the same IEEE operations as the torch formulas
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=gnu11"]
+from kernels.cpu import library
+from kernels.cpu.library import available, build_error
 
-_lib: ctypes.CDLL | None = None
-_tried = False
-_error: str | None = None
-
-
-def available() -> bool:
-    """The library is built and loaded (tried once per process)."""
-    global _lib, _tried, _error
-    if not _tried:
-        _tried = True
-        from kernels import cc_build
-
-        try:
-            lib = cc_build.build(SOURCE, FLAGS)
-        except ImportError as e:
-            _error = str(e)
-            return False
-        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
-        lib.rope_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
-        lib.argmax_rows_f32.argtypes = [ptr, i64, i64, i64, ptr, i32]
-        lib.add_rms_norm_f32.restype = lib.rope_f32.restype = lib.argmax_rows_f32.restype = None
-        _lib = lib
-    return _lib is not None
-
-
-def build_error() -> str | None:
-    """Why the library could not be built (after `available()` said False), else None."""
-    return _error
+__all__ = ["add_rms_norm", "argmax", "available", "build_error", "fits", "rope", "rope_fits",
+           "rope_input_fits"]
 
 
 def fits(*tensors: torch.Tensor) -> bool:
@@ -62,9 +31,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """
     hidden = weight.numel()
     out = torch.empty_like(x)
-    _lib.add_rms_norm_f32(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
-                          weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden,
-                          eps, torch.get_num_threads())
+    library.load().add_rms_norm_f32(
+        x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+        out.data_ptr(), x.numel() // hidden, hidden, eps, torch.get_num_threads())
     return out
 
 
@@ -88,8 +57,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     """
     tokens, heads, dim = x.shape
     out = torch.empty(tokens, heads, dim, dtype=x.dtype)
-    _lib.rope_f32(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
-                  sin.data_ptr(), out.data_ptr(), tokens, heads, dim, torch.get_num_threads())
+    library.load().rope_f32(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
+                            sin.data_ptr(), out.data_ptr(), tokens, heads, dim,
+                            torch.get_num_threads())
     return out
 
 
@@ -101,6 +71,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
             and x.stride(1) == 1 and x.shape[1] > 0 and available()):
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    _lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
-                         torch.get_num_threads())
+    library.load().argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                                   out.data_ptr(), torch.get_num_threads())
     return out

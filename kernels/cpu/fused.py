@@ -1,7 +1,6 @@
-"""A decode step's decoder stack in one C call (kernels/cpu_fused.c) over packed quantized
-layers: the driver calls cpu_ops.c's norms and rope, cpu_quant.c's packed products and MLP
-and cpu_decode.c's KV write and decode attention through their addresses, which `available`
-takes from those libraries once.
+"""A decode step's decoder stack in one C call (csrc/fused.c) over packed quantized layers: the
+driver calls ops.c's norms and rope, quant_packed.c's products, mlp.c's MLP and decode.c's KV
+write and decode attention directly, all in the one CPU library (kernels/cpu/library.py).
 
 NOTE: 30 layers of SmolLM2-135M cost about 2.9 ms of Python and torch per decoded token
 between the kernels (a8: 9.2 ms per token, of which the products 5.3 and attention 1.0).
@@ -10,26 +9,21 @@ between the kernels (a8: 9.2 ms per token, of which the products 5.3 and attenti
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
+import sys
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_fused.c")
-FLAGS = ["-O3", "-fPIC", "-std=gnu11"]
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
-NUMERICS = {"a32": 0, "a8": 1}
+from kernels.cpu import library
+from kernels.cpu.decode import MAX_BLOCK, MAX_GROUP, MAX_ROWS
+from kernels.cpu.library import available, build_error
+from kernels.cpu.quant import ACTIVATIONS, NUMERICS
+
+__all__ = ["KV_DTYPES", "DecodeStack", "LayerWeights", "available", "build_error", "runs_with"]
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
-
-# The KV pool dtypes the driver takes -> its (KV write, decode) slots, filled from
-# kernels/cpu_backend.py's own entry points for that dtype (_WRITE_KV, _DECODE).
-KV_SLOTS = {torch.float32: ("write_kv", "decode"), torch.float16: ("write_kv_f16", "decode_f16")}
-
-
-class _Kernels(ctypes.Structure):
-    _fields_ = [(n, _ptr) for n in ("add_rms_norm", "rope", "matmul", "mlp", "write_kv",
-                                     "decode", "write_kv_f16", "decode_f16")]
+# The KV pool dtypes the driver takes (decode.c's float32 and float16 entry points).
+KV_DTYPES = (torch.float32, torch.float16)
 
 
 class _Shape(ctypes.Structure):
@@ -46,61 +40,13 @@ class _Layer(ctypes.Structure):
                 ("k_cache", _ptr), ("v_cache", _ptr)]
 
 
-_lib: ctypes.CDLL | None = None
-_kernels: _Kernels | None = None
-_tried = False
-_error: str | None = None
-
-
-def available() -> bool:
-    """The driver and the three kernel libraries are built and loaded (tried once)."""
-    global _lib, _kernels, _tried, _error
-    if not _tried:
-        _tried = True
-        from kernels import cc_build, cpu_ops, cpu_quant
-
-        try:
-            from kernels import cpu_backend  # NOTE: builds cpu_decode.c at import
-
-            lib = cc_build.build(SOURCE, FLAGS)
-            if not (cpu_quant.available() and cpu_ops.available()):
-                raise ImportError(cpu_quant.build_error() or cpu_ops.build_error())
-        except ImportError as e:
-            _error = str(e)
-            return False
-        lib.fused_decode_stack.argtypes = [
-            _ptr, _ptr, _ptr, ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
-            _ptr, _ptr, _ptr, ctypes.c_int]
-        lib.fused_decode_stack.restype = ctypes.c_int
-        # NOTE: the cached libraries again (dlopen of a loaded path returns the loaded one)
-        ops, quant = (cc_build.build(m.SOURCE, m.FLAGS) for m in (cpu_ops, cpu_quant))
-
-        def addr(f) -> int:
-            return ctypes.cast(f, _ptr).value
-
-        _kernels = _Kernels(addr(ops.add_rms_norm_f32), addr(ops.rope_f32),
-                            addr(quant.quant_matmul_packed), addr(quant.quant_mlp_packed))
-        for dtype, (write_slot, attend_slot) in KV_SLOTS.items():
-            setattr(_kernels, write_slot, addr(cpu_backend._WRITE_KV[dtype]))
-            setattr(_kernels, attend_slot, addr(cpu_backend._DECODE[dtype]))
-        _lib = lib
-    return _lib is not None
-
-
-def build_error() -> str | None:
-    """Why the driver cannot run (after `available()` said False), else None."""
-    return _error
-
-
 def runs_with(backend: object) -> bool:
-    """The attention backend whose kernels the driver calls (kernels.cpu_backend)."""
-    import sys
-
-    return available() and backend is sys.modules.get("kernels.cpu_backend")
+    """The attention backend whose kernels the driver calls (kernels.attention.cpu_backend)."""
+    return available() and backend is sys.modules.get("kernels.attention.cpu_backend")
 
 
 class LayerWeights:
-    """One layer's tensors: norms float32 [hidden]; packed tiles (kernels/cpu_quant.py's
+    """One layer's tensors: norms float32 [hidden]; packed tiles (kernels/cpu/quant.py's
     `pack`) of qkv [(heads + 2 kv_heads) head_dim, hidden] (q, k, v rows in that order),
     o [hidden, heads head_dim], gate_up [2 inter, hidden] (gate rows first), down
     [hidden, inter], with their ggml type ids."""
@@ -120,7 +66,7 @@ class DecodeStack:
                  inter: int, heads: int, kv_heads: int, head_dim: int, eps: float,
                  scale: float, numerics: str, act: str) -> None:
         if not available():
-            raise RuntimeError(f"kernels/cpu_fused.c cannot run here: {_error}")
+            raise RuntimeError(f"the CPU library cannot run here: {build_error()}")
         for t in (final_norm, *(t for w in layers for t in (w.input_norm, w.post_norm))):
             if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != hidden:
                 raise ValueError(f"norm weights must be contiguous float32 [{hidden}]")
@@ -141,8 +87,8 @@ class DecodeStack:
 
     def caches_fit(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Contiguous CPU pools [blocks, block_size, kv_heads, head_dim] of a dtype in
-        KV_SLOTS, one per layer, of one shape and dtype, in sizes the decode kernel
-        takes (kernels/cpu_backend.py's limits)."""
+        KV_DTYPES, one per layer, of one shape and dtype, in sizes the decode kernel
+        takes (kernels/cpu/decode.py's limits)."""
         if kv_caches is self._caches:
             return True
         if self._checked is not None and self._checked[0] is kv_caches:
@@ -152,15 +98,13 @@ class DecodeStack:
         return fit
 
     def _caches_fit(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        from kernels.cpu_backend import MAX_BLOCK, MAX_GROUP, MAX_ROWS
-
         s = self._shape
         if len(kv_caches) < self.num_layers:
             return False
         shape, dtype = kv_caches[0][0].shape, kv_caches[0][0].dtype
         group = s.heads // s.kv_heads
         return (len(shape) == 4 and tuple(shape[2:]) == (s.kv_heads, s.head_dim)
-                and dtype in KV_SLOTS and shape[1] <= MAX_BLOCK
+                and dtype in KV_DTYPES and shape[1] <= MAX_BLOCK
                 and group <= MAX_GROUP and group * s.head_dim <= MAX_ROWS
                 and all(c.dtype == dtype and c.device.type == "cpu"
                         and c.is_contiguous() and c.shape == shape
@@ -193,8 +137,8 @@ class DecodeStack:
         """
         rows = x.shape[0]
         out = torch.empty(rows, self.hidden, dtype=torch.float32)
-        rc = _lib.fused_decode_stack(
-            ctypes.addressof(_kernels), ctypes.addressof(self._shape),
+        rc = library.load().fused_decode_stack(
+            ctypes.addressof(self._shape),
             ctypes.addressof(self._table), num_layers, x.data_ptr(), rows,
             positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
             seq_lens.data_ptr(), cos.data_ptr(), sin.data_ptr(), self._final, out.data_ptr(),

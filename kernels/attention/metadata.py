@@ -18,7 +18,7 @@ class AttentionMetadata:
 
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: offsets of each sequence's queries
     seq_lens: torch.Tensor  # [num_seqs] int32: cached + new tokens of each sequence
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with a valid block id
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with a valid block id
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token (-1: skip)
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     query_lens_cpu: list[int]  # per sequence, on the host (prefill loops use them)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from kernels.attention.metadata import AttentionMetadata
 
+FUSED_CPU_OPS = False  # the reference: the whole model stays in torch
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_E4M3_MAX = 448.0
 FLOAT16_MAX = 65504.0  # a float16 cache stores values saturated here (no inf)
@@ -41,7 +42,7 @@ def write_kv(
 def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale) -> None:
     kv_heads, head_dim = cache.shape[2], cache.shape[3]
     if cache.dtype not in FP8_DTYPES:
-        if cache.dtype == torch.float16:  # NOTE: saturated, as kernels/cpu_decode.c writes
+        if cache.dtype == torch.float16:  # NOTE: saturated, as kernels/cpu/csrc/decode.c writes
             x = x.clamp(-FLOAT16_MAX, FLOAT16_MAX)
         cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, x.to(cache.dtype))
         return

@@ -1,4 +1,4 @@
-"""Products and row gathers with GGUF-quantized weights on the CPU (kernels/cpu_quant.c).
+"""Products and row gathers with GGUF-quantized weights on the CPU (csrc/quant*.c, mlp.c).
 
 Weights stay in their file's blocks: a uint8 tensor [N, row_bytes] per matrix (row n holds
 the K weights of output feature n as K / block_elems blocks). `matmul` computes x @ W^T with
@@ -7,77 +7,37 @@ one of two numerics, `a32` (weights expanded to float32 in registers, float32 FM
 `dequantize_rows` expands chosen rows (the embedding's gather, prefill tiles). Q4_0, Q4_1 and
 Q8_0 matrices can also be repacked once (`pack`) into tiles of 16 interleaved output features
 (same bytes) for the AVX-512 VNNI kernels `packed_matmul`, `packed_rows`, `packed_kmajor`;
-cpu_quant.c describes the layout. The ISA path
-is chosen at run time (AVX-512 VNNI, AVX2, scalar) unless a caller forces one. Compiled on
-first use by kernels/cc_build.py without -march=native: the SIMD paths carry their own target
-attributes, so the scalar path stays portable. The OpenMP runtime is the libgomp torch loaded.
+csrc/quant_packed.c describes the layout. The ISA path is chosen at run time (AVX-512 VNNI,
+AVX2, scalar) unless a caller forces one. Part of the one CPU library (kernels/cpu/library.py),
+these sources compiled without -march=native: the SIMD paths carry their own target attributes
+(csrc/common.h), so the scalar path stays portable. The OpenMP runtime is the libgomp torch
+loaded.
 """
 
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_quant.c")
-FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=gnu11"]
+from kernels.cpu import library
+from kernels.cpu.ggml_types import BLOCKS, PACKED_TYPES, TYPE_NAMES
+from kernels.cpu.library import available, build_error
 
-# ggml type ids (gguf.GGMLQuantizationType) -> (weights per block, bytes per block)
-BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-          12: (256, 144), 13: (256, 176), 14: (256, 210)}
-TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
-              12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+__all__ = ["ACTIVATIONS", "BLOCKS", "ISAS", "NUMERICS", "PACKED_TYPES", "TYPE_NAMES",
+           "PackedMLP", "PackedProduct", "available", "best_isa", "build_error",
+           "dequantize_rows", "isa_supported", "matmul", "pack", "packed_kmajor",
+           "packed_matmul", "packed_rows", "packs", "row_bytes"]
+
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 NUMERICS = {"a32": 0, "a8": 1}
-
-_lib: ctypes.CDLL | None = None
-_tried = False
-_error: str | None = None
-
-
-def available() -> bool:
-    """The library is built and loaded (tried once per process)."""
-    global _lib, _tried, _error
-    if not _tried:
-        _tried = True
-        from kernels import cc_build
-
-        try:
-            lib = cc_build.build(SOURCE, FLAGS)
-        except ImportError as e:
-            _error = str(e)
-            return False
-        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        lib.quant_matmul.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32, i32, i32]
-        lib.quant_dequant_rows.argtypes = [i32, ptr, i64, ptr, i64, i64, i64, ptr, i32, i32]
-        lib.quant_matmul.restype = lib.quant_dequant_rows.restype = i32
-        lib.quant_packed_bytes.argtypes = [i32, i64, i64]
-        lib.quant_packed_bytes.restype = i64
-        lib.quant_pack.argtypes = [i32, ptr, i64, i64, ptr]
-        lib.quant_matmul_packed.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, i32, i32]
-        lib.quant_packed_rows.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i32]
-        lib.quant_packed_kmajor.argtypes = [i32, ptr, i64, i64, i64, i64, ptr, i64, i32]
-        lib.quant_mlp_packed.argtypes = [i32, ptr, i32, ptr, i64, i64, ptr, i64, ptr, i32, i32,
-                                         i32]
-        for f in (lib.quant_pack, lib.quant_matmul_packed, lib.quant_packed_rows,
-                  lib.quant_packed_kmajor, lib.quant_mlp_packed):
-            f.restype = i32
-        lib.isa_supported.argtypes = [i32]
-        lib.isa_supported.restype = lib.best_isa.restype = i32
-        _lib = lib
-    return _lib is not None
-
-
-def build_error() -> str | None:
-    """Why the library could not be built (after `available()` said False), else None."""
-    return _error
 
 
 def _library() -> ctypes.CDLL:
     if not available():
-        raise RuntimeError("kernels/cpu_quant.c could not be built (is a C compiler installed?)")
-    return _lib
+        raise RuntimeError(f"the CPU library could not be built (is a C compiler installed?): "
+                           f"{build_error()}")
+    return library.load()
 
 
 def isa_supported(isa: str) -> bool:
@@ -160,8 +120,6 @@ def dequantize_rows(blocks: torch.Tensor, type_id: int, k: int, ids: torch.Tenso
     return out
 
 
-PACKED_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
-
 
 def packs(type_id: int, k: int) -> bool:
     """`pack` takes this type and width, and this CPU runs the packed kernels."""
@@ -200,9 +158,9 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, type_id: int, n: int, k
     m = x.shape[0]
     if m == 0:
         return out
-    rc = _lib.quant_matmul_packed(type_id, packed.data_ptr(), n, k, x.data_ptr(), x.stride(0), m,
-                                  out.data_ptr(), out.stride(0), NUMERICS[numerics],
-                                  num_threads or torch.get_num_threads())
+    rc = _library().quant_matmul_packed(
+        type_id, packed.data_ptr(), n, k, x.data_ptr(), x.stride(0), m, out.data_ptr(),
+        out.stride(0), NUMERICS[numerics], num_threads or torch.get_num_threads())
     if rc:
         raise RuntimeError(f"quant_matmul_packed failed ({TYPE_NAMES[type_id]})")
     return out
@@ -217,7 +175,7 @@ class PackedProduct:
                  numerics: str) -> None:
         _check_packed(packed, type_id, n, k)
         self.packed, self.n, self.k = packed, n, k  # NOTE: keeps the tiles alive
-        self._fn = _lib.quant_matmul_packed
+        self._fn = _library().quant_matmul_packed
         self._head = (type_id, packed.data_ptr(), n, k)
         self._numerics = NUMERICS[numerics]
 
@@ -242,7 +200,7 @@ class PackedMLP:
         _check_packed(down, down_type, hidden, inter)
         self.tensors = (gate_up, down)  # NOTE: keeps the tiles alive
         self.hidden = hidden
-        self._fn = _lib.quant_mlp_packed
+        self._fn = _library().quant_mlp_packed
         self._head = (gate_up_type, gate_up.data_ptr(), down_type, down.data_ptr(), inter,
                       hidden)
         self._tail = (NUMERICS[numerics], ACTIVATIONS[act])
@@ -265,9 +223,9 @@ def packed_rows(packed: torch.Tensor, type_id: int, n: int, k: int,
     elif count is None:
         count = n - first
     out = torch.empty(count, k, dtype=torch.float32)
-    rc = _lib.quant_packed_rows(type_id, packed.data_ptr(), n, k,
-                                None if ids is None else ids.data_ptr(), first, count,
-                                out.data_ptr(), torch.get_num_threads())
+    rc = _library().quant_packed_rows(type_id, packed.data_ptr(), n, k,
+                                      None if ids is None else ids.data_ptr(), first, count,
+                                      out.data_ptr(), torch.get_num_threads())
     if rc == -2:
         raise IndexError(f"row ids out of range [0, {n})")
     if rc:
@@ -285,8 +243,9 @@ def packed_kmajor(packed: torch.Tensor, type_id: int, n: int, k: int, first_tile
         out = torch.empty(k, cols, dtype=torch.float32)
     if out.shape != (k, cols) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{k}, {cols}] with contiguous rows")
-    rc = _lib.quant_packed_kmajor(type_id, packed.data_ptr(), n, k, first_tile, end_tile,
-                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
+    rc = _library().quant_packed_kmajor(type_id, packed.data_ptr(), n, k, first_tile,
+                                        end_tile, out.data_ptr(), out.stride(0),
+                                        torch.get_num_threads())
     if rc:
         raise RuntimeError(f"quant_packed_kmajor failed ({TYPE_NAMES[type_id]})")
     return out

@@ -1,46 +1,33 @@
 """CPU backend: decodes in a C kernel that reads K/V (float32 or float16) through the block table.
 
 The torch backend gathers each decode's blocks into a contiguous copy before its SDPA, which
-reads and writes the whole cache once more than attention itself needs. `cpu_decode.c` walks
+reads and writes the whole cache once more than attention itself needs. `csrc/decode.c` walks
 the blocks in place with an online softmax, one OpenMP task per sequence (16 tokens' scores
 per vector for head dims of 64 and 128), and splits long sequences across threads when those
-tasks are too few (split-KV). `kernels/cc_build.py` compiles it on first use; it links the
-libgomp torch has already loaded, so both share one thread pool. A float16 cache is widened in
-registers (queries and outputs stay float32). KV writes of float32 rows into a float32 or
-float16 cache are one C call too. Prefill chunks (which upcast the gathered blocks), other
-dtypes and the FP8 cache go to the torch backend.
+tasks are too few (split-KV). It is part of the one CPU library (kernels/cpu/library.py),
+compiled on first use; it links the libgomp torch has already loaded, so both share one thread
+pool. A float16 cache is widened in registers (queries and outputs stay float32). KV writes of
+float32 rows into a float32 or float16 cache are one C call too (both through
+kernels/cpu/decode.py). Prefill chunks (which upcast the gathered blocks), other dtypes and the
+FP8 cache go to the torch backend.
 Without a C compiler the backend is unavailable and `auto` stays on torch.
 """
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import torch
 
-from kernels import cc_build, torch_backend
-from kernels.metadata import AttentionMetadata
+from kernels.attention import torch_backend
+from kernels.attention.metadata import AttentionMetadata
+from kernels.cpu import decode as c_decode
+from kernels.cpu import library
+from kernels.cpu.decode import CACHE_DTYPES, MAX_BLOCK, MAX_GROUP, MAX_ROWS
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11"]
-MAX_GROUP, MAX_BLOCK, MAX_ROWS = 64, 64, 4096  # the C kernel's stack arrays
+__all__ = ["CACHE_DTYPES", "FUSED_CPU_OPS", "decode", "fits", "paged_attention", "write_kv"]
 
 # NOTE: at import: any failure is an ImportError, as for a missing triton
-_lib = cc_build.build(SOURCE, FLAGS)
-_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-# the C entry points per cache dtype (same arguments; queries and K/V rows in are float32)
-CACHE_DTYPES = (torch.float32, torch.float16)
-_DECODE = {torch.float32: _lib.paged_decode_f32, torch.float16: _lib.paged_decode_f16}
-_WRITE_KV = {torch.float32: _lib.write_kv_f32, torch.float16: _lib.write_kv_f16}
-for _f in _DECODE.values():
-    _f.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
-                   _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _i32, _i32]
-    _f.restype = None
-for _f in _WRITE_KV.values():
-    _f.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64]
-    _f.restype = _i64
-# NOTE: with this backend the engine also runs RMSNorm and rope in C (kernels/cpu_ops.py);
+library.load()
+# NOTE: with this backend the engine also runs RMSNorm and rope in C (kernels/cpu/ops.py);
 # with the torch backend the whole model stays in torch: the reference.
 FUSED_CPU_OPS = True
 
@@ -63,11 +50,7 @@ def write_kv(
             and key.stride()[1:] == value.stride()[1:] == (key.shape[2], 1)
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
-        width = key.shape[1] * key.shape[2]
-        bad = _WRITE_KV[k_cache.dtype](
-            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.numel() // width,
-            slot_mapping.data_ptr(), key.shape[0], width)
+        bad = c_decode.write_kv(key, value, k_cache, v_cache, slot_mapping)
         if bad:
             raise IndexError(f"{bad} KV cache slots out of range")
         return
@@ -124,11 +107,5 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Each sequence's blocks are split across threads when the sequences give fewer than two
     tasks per thread and the sequence has 16+ blocks. `meta.window` bounds the keys read.
     """
-    nd, heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    tables = meta.block_tables
-    _DECODE[k_cache.dtype](q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                           tables.data_ptr(), tables.stride(0), meta.seq_lens.data_ptr(),
-                           out.data_ptr(), out.stride(0), nd, heads, kv_heads, head_dim,
-                           block_size, scale, meta.window or 0,
-                           num_threads or torch.get_num_threads())
+    c_decode.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, scale,
+                          meta.window or 0, num_threads or torch.get_num_threads())

@@ -6,8 +6,8 @@
  * accumulator), so no K/V is gathered or copied. When sequences are too few to give every
  * thread two tasks, each sequence's blocks are split and the partial results merged
  * (split-KV). A float16 cache is widened to float32 in registers as it is loaded (F16C /
- * AVX-512 `vcvtph2ps`, or a portable bit conversion without them). Built and loaded at run
- * time by kernels/cpu_backend.py.
+ * AVX-512 `vcvtph2ps`, or common.h's portable bit conversion without them). Called by
+ * kernels/attention/cpu_backend.py and by fused.c.
  *
  * Exported: paged_decode_f32 / paged_decode_f16 (same arguments; the caches' element type
  * differs) and write_kv_f32 / write_kv_f16 (float32 rows in; float16 stored saturated at
@@ -21,6 +21,9 @@
 #include <immintrin.h>
 #endif
 
+#include "api.h"
+#include "common.h"
+
 #define MAX_ROWS 4096 /* group x head_dim floats per task, on the stack */
 #define MAX_SPLITS 256
 #define MIN_SPLIT_BLOCKS 8
@@ -31,54 +34,6 @@ typedef struct {
     int64_t tok_stride;
     int group, head_dim, block_size, kv_heads;
 } Shape;
-
-/* float16 bits <-> float32, portable (exact widening; narrowing rounds to nearest even,
- * overflow to inf, float16 subnormals kept) */
-static inline float half_bits_to_float(uint16_t h)
-{
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    uint32_t x;
-    float f;
-    if (e == 0x1f)
-        x = sign | 0x7f800000 | (m << 13);
-    else if (e)
-        x = sign | ((e + 112) << 23) | (m << 13);
-    else {
-        f = (float)m * 5.9604644775390625e-8f; /* m * 2^-24: exact */
-        memcpy(&x, &f, 4);
-        x |= sign;
-    }
-    memcpy(&f, &x, 4);
-    return f;
-}
-
-static inline uint16_t float_to_half_bits(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
-    const uint32_t ax = x & 0x7fffffff;
-    if (ax >= 0x7f800000) /* inf, NaN (kept quiet) */
-        return sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 | ((ax >> 13) & 0x3ff) : 0);
-    if (ax >= 0x477ff000) /* 65520 and up round to inf */
-        return sign | 0x7c00;
-    uint32_t h, rem, half;
-    if (ax < 0x38800000) { /* below 2^-14: a float16 subnormal (or zero) */
-        if (ax < 0x33000000) /* below 2^-25: rounds to zero */
-            return sign;
-        const uint32_t mant = (ax & 0x7fffff) | 0x800000, shift = 126 - (ax >> 23);
-        h = mant >> shift;
-        rem = mant & ((1u << shift) - 1);
-        half = 1u << (shift - 1);
-    } else {
-        const uint32_t r = ax - (112u << 23); /* rebias 127 -> 15 */
-        h = r >> 13;
-        rem = r & 0x1fff;
-        half = 0x1000;
-    }
-    h += rem > half || (rem == half && (h & 1)); /* a carry moves into the exponent: right */
-    return sign | (uint16_t)h;
-}
 
 static inline float load1(const void *p, int64_t i, const int F16)
 {
@@ -534,7 +489,7 @@ int64_t write_kv_f16(const float *key, int64_t key_stride, const float *value,
     return bad;
 }
 
-/* The portable conversions, exported for tests (a build without F16C uses them inside). */
+/* common.h's portable conversions, exported for tests (a build without F16C uses them). */
 void half_bits_to_float_n(const uint16_t *src, float *dst, int64_t n)
 {
     for (int64_t i = 0; i < n; i++)

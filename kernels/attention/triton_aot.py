@@ -14,8 +14,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_backend as tb
-from kernels import triton_kernels as tk
+from kernels.attention import triton_backend as tb
+from kernels.attention import triton_kernels as tk
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_SMEM_BYTES = 232448  # 227 KiB: the most one block may opt into on sm_90

@@ -12,12 +12,14 @@ from types import ModuleType
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from kernels.attention.metadata import AttentionMetadata
 
 try:  # the KV write is ours: flash-attn's own writes assume a contiguous cache per sequence
-    from kernels.triton_backend import write_kv
+    from kernels.attention.triton_backend import write_kv
 except ImportError:
-    from kernels.torch_backend import write_kv
+    from kernels.attention.torch_backend import write_kv
+
+FUSED_CPU_OPS = False
 
 # (module, kind) in order of preference; names are strings because they are probed at runtime
 CANDIDATES = (("flash_attn_interface", "fa3"), ("vllm.vllm_flash_attn", "vllm"))

@@ -1,0 +1,115 @@
+/* A decode step's whole decoder stack in one call, for Llama-layout models whose projections
+ * are packed quantized tiles (every row one token): per layer add + RMSNorm, the QKV product,
+ * rope, the KV write, paged decode attention, the O product, add + RMSNorm and the one-call
+ * MLP; then the final norm. The LM head stays with the caller.
+ *
+ * No kernel is written here: ops.c, quant_packed.c, mlp.c and decode.c keep theirs (with their
+ * own compile flags) and this driver calls them in the same library (api.h). Each kernel
+ * opens its own OpenMP region and they run one after another from this serial driver, so
+ * libgomp's pool stays hot and no region nests. The same calls with the same arguments as
+ * the per-layer path in engine/models/llama.py, so both give the same numbers.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "api.h"
+
+typedef struct {
+    int64_t hidden, inter, heads, kv_heads, head_dim, block_size, num_slots;
+    float eps, scale;
+    int numerics, act; /* quant.h's: 0 a32, 1 a8; mlp.c's: 0 silu, 1 gelu_tanh */
+    int kv_f16;        /* the pools hold float16 bits */
+} Shape;
+
+/* One layer's weights (packed tiles, ggml type ids) and KV pools [num_slots, kv_heads, D]. */
+typedef struct {
+    const float *input_norm, *post_norm;
+    const uint8_t *qkv, *o, *gate_up, *down;
+    int64_t qkv_type, o_type, gate_up_type, down_type;
+    void *k_cache, *v_cache; /* float or uint16_t (kv_f16) */
+} Layer;
+
+static int64_t write_kv(const Shape *s, const Layer *L, const float *key, int64_t key_stride,
+                        const float *value, int64_t value_stride, const int64_t *slots,
+                        int64_t rows)
+{
+    const int64_t width = s->kv_heads * s->head_dim;
+    if (s->kv_f16)
+        return write_kv_f16(key, key_stride, value, value_stride, L->k_cache, L->v_cache,
+                            s->num_slots, slots, rows, width);
+    return write_kv_f32(key, key_stride, value, value_stride, L->k_cache, L->v_cache,
+                        s->num_slots, slots, rows, width);
+}
+
+static void decode(const Shape *s, const Layer *L, const float *q, int64_t q_stride,
+                   const int64_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                   float *out, int64_t out_stride, int64_t rows, int num_threads)
+{
+    if (s->kv_f16)
+        paged_decode_f16(q, q_stride, L->k_cache, L->v_cache, tables, table_stride, seq_lens,
+                         out, out_stride, (int)rows, (int)s->heads, (int)s->kv_heads,
+                         (int)s->head_dim, (int)s->block_size, s->scale, 0, num_threads);
+    else
+        paged_decode_f32(q, q_stride, L->k_cache, L->v_cache, tables, table_stride, seq_lens,
+                         out, out_stride, (int)rows, (int)s->heads, (int)s->kv_heads,
+                         (int)s->head_dim, (int)s->block_size, s->scale, 0, num_threads);
+}
+
+/* x [rows, hidden]: the embedded tokens; out [rows, hidden]: the final norm of the last
+ * layer's hidden state. positions, slots [rows]; tables [rows, table_stride] block ids;
+ * seq_lens [rows] (each with the new token); cos/sin: rope's full [positions, D] tables.
+ * Returns 0, -1 when a kernel or an allocation failed, -2 when a slot is out of range. */
+int fused_decode_stack(const Shape *s, const Layer *layers, int num_layers, const float *x,
+                       int64_t rows, const int64_t *positions,
+                       const int64_t *slots, const int64_t *tables, int64_t table_stride,
+                       const int32_t *seq_lens, const float *cos_t, const float *sin_t,
+                       const float *final_norm, float *out, int num_threads)
+{
+    const int64_t H = s->hidden, D = s->head_dim, M = rows;
+    const int64_t nq = s->heads * D, nkv = s->kv_heads * D;
+    const int64_t nqkv = nq + 2 * nkv, nqk = nq + nkv;
+    /* residual stream, layer output, normed input, qkv, rotated q|k, attention, O product */
+    float *buf = malloc(sizeof(float) * (size_t)(M * (4 * H + nqkv + nqk + nq)));
+    if (!buf)
+        return -1;
+    float *res = buf, *cur = res + M * H, *h = cur + M * H, *qkv = h + M * H;
+    float *qk = qkv + M * nqkv, *attn = qk + M * nqk, *o = attn + M * nq;
+    int rc = 0;
+    memcpy(res, x, sizeof(float) * (size_t)(M * H));
+    for (int l = 0; l < num_layers && !rc; l++) {
+        const Layer *L = layers + l;
+        /* layer 0 norms the embedding; later layers add their input to the residual first */
+        add_rms_norm_f32(l ? cur : res, l ? res : NULL, L->input_norm, h, M, H, s->eps,
+                         num_threads);
+        if (quant_matmul_packed((int)L->qkv_type, L->qkv, nqkv, H, h, H, M, qkv, nqkv,
+                                s->numerics, num_threads)) {
+            rc = -1;
+            break;
+        }
+        rope_f32(qkv, nqkv, positions, cos_t, sin_t, qk, M, s->heads + s->kv_heads, D,
+                 num_threads);
+        if (write_kv(s, L, qk + nq, nqk, qkv + nqk, nqkv, slots, M)) {
+            rc = -2;
+            break;
+        }
+        decode(s, L, qk, nqk, tables, table_stride, seq_lens, attn, nq, M, num_threads);
+        if (quant_matmul_packed((int)L->o_type, L->o, H, nq, attn, nq, M, o, H, s->numerics,
+                                num_threads)) {
+            rc = -1;
+            break;
+        }
+        add_rms_norm_f32(o, res, L->post_norm, h, M, H, s->eps, num_threads);
+        if (quant_mlp_packed((int)L->gate_up_type, L->gate_up, (int)L->down_type, L->down,
+                             s->inter, H, h, M, cur, s->numerics, s->act, num_threads))
+            rc = -1;
+    }
+    if (!rc) {
+        if (num_layers > 0)
+            add_rms_norm_f32(cur, res, final_norm, out, M, H, s->eps, num_threads);
+        else
+            add_rms_norm_f32(res, NULL, final_norm, out, M, H, s->eps, num_threads);
+    }
+    free(buf);
+    return rc;
+}
