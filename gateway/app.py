@@ -30,7 +30,7 @@ from gateway.errors import ApiError
 from gateway.generation import EngineClientLike, Generation, Piece, merged, piece_error
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document, package_version
-from gateway.protocol import (
+from gateway.requests import (
     AnyRequest,
     ChatCompletionRequest,
     CompletionRequest,

@@ -16,7 +16,7 @@ from gateway.choice_events import (
     TextDelta,
 )
 from gateway.generation import Generation, Piece
-from gateway.protocol import (
+from gateway.requests import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,

@@ -25,7 +25,7 @@ from gateway.read_timeouts import timed_protocol
 from gateway.reasoning import REASONING_PARSERS
 from gateway.resumable import StreamLimits
 from gateway.service import Gateway, GatewaySettings
-from gateway.tool_calls import PARSERS
+from gateway.tools.registry import PARSERS
 from gateway.tracing import traces_url
 from ipc import exit_codes
 from ipc.config import EngineConfig, add_engine_args, config_from_args

@@ -26,7 +26,7 @@ from gateway.api.responses_types import (
     ResponsesRequest,
 )
 from gateway.errors import ErrorEnvelope
-from gateway.protocol import (
+from gateway.requests import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,

@@ -20,14 +20,14 @@ from gateway.errors import ApiError, unavailable
 from gateway.generation import EngineClientLike, Generation, Job
 from gateway.metrics import Metrics
 from gateway.prompt_text import prompt_text_sizes
-from gateway.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, to_sampling
 from gateway.reasoning import REASONING_PARSERS
 from gateway.reasoning.think import ThinkParser
+from gateway.requests import AnyRequest, ChatCompletionRequest, CompletionRequest, to_sampling
 from gateway.resumable import StreamLimits, StreamRegistry
-from gateway.structured import CallSyntax, structured_for, tool_choice_of
+from gateway.structured import structured_for, tool_choice_of
 from gateway.tokenizer import Tokenizer
-from gateway.tool_calls import PARSERS, detect_parser, parser_for, template_messages
-from gateway.tool_parsers import MISTRAL_TOOL_CALLS, TOOL_CALL_END, TOOL_CALL_START
+from gateway.tools.prompt import template_messages
+from gateway.tools.registry import PARSERS, CallSyntax, detect_parser, format_for
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTracer
@@ -53,7 +53,7 @@ class GatewaySettings:
     header_timeout: float = 10.0  # seconds to send a request's head (line and headers)
     body_timeout: float = 30.0  # seconds to send a request's whole body, once its head is in
     # how replies are split into content and tool calls: auto (from the chat template),
-    # hermes, llama3_json or mistral (gateway/tool_parsers.py)
+    # or a format of gateway/tools/registry.py FORMATS
     tool_call_parser: str = "auto"
     # /v1/responses with store: true (gateway/api/response_store.py): a memory budget in MiB
     # (0: keep none) and an age in seconds
@@ -227,9 +227,8 @@ class Gateway:
         parser = self.settings.tool_call_parser
         if parser == "auto":
             parser = detect_parser(tok.template_source, tok.has_tools_branch)
-        opening = {"hermes": TOOL_CALL_START, "mistral": MISTRAL_TOOL_CALLS}.get(parser)
-        closing = TOOL_CALL_END if parser == "hermes" else None
-        syntax = CallSyntax(parser, _special(tok, opening), _special(tok, closing))
+        fmt = format_for(parser)
+        syntax = CallSyntax(parser, _special(tok, fmt.opening), _special(tok, fmt.closing))
         self._syntax[tok.directory] = syntax
         return syntax
 
@@ -242,7 +241,7 @@ class Gateway:
         if tool_choice_of(request) == "none":
             return None
         names = frozenset(t.function.name for t in request.tools)
-        return functools.partial(parser_for(syntax.parser), tools=names)
+        return functools.partial(syntax.format.parser, tools=names)
 
     def _reasoning_parser(self, request: AnyRequest, prompt_ids: list[int]
                           ) -> functools.partial[ThinkParser] | None:

@@ -22,7 +22,7 @@ from gateway.auth import bearer_ok
 from gateway.chunks import ChunkBuilder, timeline_of, usage_of
 from gateway.errors import ApiError
 from gateway.generation import Generation, piece_error
-from gateway.protocol import ChatCompletionRequest, RequestId, decode_request
+from gateway.requests import ChatCompletionRequest, RequestId, decode_request
 from gateway.resumable import ResumableStream
 from gateway.resumable_sse import wants_resumable
 from gateway.service import Gateway

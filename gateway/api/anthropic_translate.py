@@ -28,7 +28,7 @@ from gateway.api.anthropic_types import (
     ToolUseBlock,
 )
 from gateway.errors import ApiError
-from gateway.protocol import (
+from gateway.requests import (
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
