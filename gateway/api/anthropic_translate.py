@@ -40,8 +40,8 @@ from gateway.requests import (
     Tool,
     ToolCall,
     ToolChoice,
-    decode_body,
 )
+from gateway.validate import decode_body
 
 # field -> why it is refused (the message says "`<field>` <why>")
 REFUSED_FIELDS = {

@@ -12,11 +12,12 @@ import pytest
 
 from engine.structured.tokenizer import build_lltokenizer
 from gateway.errors import ApiError
-from gateway.requests import ChatCompletionRequest, decode_request
+from gateway.requests import ChatCompletionRequest
 from gateway.structured import structured_for, tool_call_grammar
 from gateway.tokenizer import Tokenizer
 from gateway.tools.hermes import HermesParser
 from gateway.tools.prompt import template_messages
+from gateway.validate import decode_request
 
 TOOL = {"type": "function", "function": {
     "name": "lookup", "parameters": {"type": "object", "properties": {

@@ -17,9 +17,10 @@ from llama_models.llama3.tool_utils import ToolUtils
 from llguidance.numpy import fill_next_token_bitmask
 
 from engine.structured.tokenizer import build_lltokenizer
-from gateway.requests import ChatCompletionRequest, Tool, decode_request
+from gateway.requests import ChatCompletionRequest, Tool
 from gateway.structured import auto_tool_grammar, structured_for, tool_call_grammar
 from gateway.tools.registry import FORMATS, CallSyntax
+from gateway.validate import decode_request
 
 VOCAB, EOS = 49152, 2  # the bundled SmolLM2: <|im_end|> ends a turn
 WEATHER = {"type": "function", "function": {

@@ -15,13 +15,14 @@ from llama_models.llama3.tool_utils import ToolUtils
 from mistral_common.integrations.chat_templates.chat_templates import generate_chat_template
 from mistral_common.tokens.tokenizers.base import TokenizerVersion
 
-from gateway.requests import ChatCompletionRequest, decode_request
+from gateway.requests import ChatCompletionRequest
 from gateway.tokenizer import Tokenizer
 from gateway.tools.hermes import TOOL_CALL_END, TOOL_CALL_START, HermesParser
 from gateway.tools.llama3_json import Llama3JsonParser
 from gateway.tools.mistral import MISTRAL_TOOL_CALLS, MistralParser
 from gateway.tools.prompt import template_messages
 from gateway.tools.registry import FORMATS, detect_parser
+from gateway.validate import decode_request
 
 ARGS = [{"city": "S\u00e3o Paulo \u65e5\u672c", "note": 'a "quoted" {brace} ; [x]'},
         {"n": [1, 2, {"k": None}], "ok": True}]
