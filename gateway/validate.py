@@ -4,6 +4,7 @@ field), the cross-field rules, the mapping onto SamplingParams, and the one limi
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -146,7 +147,8 @@ def fill_max_tokens(sampling: SamplingParams, room: int) -> SamplingParams:
     return _sampling(msgspec.structs.replace, sampling, max_tokens=room)
 
 
-def _sampling(make: Any = SamplingParams, *args: Any, **fields: Any) -> SamplingParams:
+def _sampling(make: Callable[..., SamplingParams], *args: Any, **fields: Any) -> SamplingParams:
+    """`make(*args, **fields)`, its ValueError (SamplingParams names the field) a 400."""
     try:
         return make(*args, **fields)
     except ValueError as exc:
