@@ -46,7 +46,7 @@ def grammar_spec(kind: str) -> StructuredOutputs:
         return StructuredOutputs(json=json.dumps(SCHEMA))
     import msgspec
 
-    from gateway.protocol import Tool
+    from gateway.requests import Tool
     from gateway.structured import auto_tool_grammar
 
     tool = msgspec.convert({"type": "function", "function": {

@@ -28,6 +28,7 @@ from engine.sched.structured.compiler import GrammarCompiler
 from engine.step_plan import choice_key
 from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig, step_token_budget
+from ipc.limits import Limits, check_limits
 from ipc.messages import AddRequest, EngineStats, TokenDelta
 from ipc.model_source import resolve_model
 from ipc.prefix_hash import salt_bytes
@@ -287,20 +288,9 @@ class EngineCore:
             raise ValueError(f"request_id {msg.request_id!r} is already in use")
         if not prompt:
             raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt)} tokens; the context length is {self.max_model_len}"
-                f"{self._context_note} (prompt plus at least one output token)"
-            )
+        check_limits(Limits(self.max_model_len, self.config.max_logprobs,
+                            self.model_config.vocab_size, self._context_note), prompt, s)
         max_tokens = self.max_model_len - len(prompt) if s.max_tokens is None else s.max_tokens
-        if len(prompt) + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                f"context length {self.max_model_len}{self._context_note}"
-            )
         blocks = self.kv.max_blocks_held(len(prompt) + max_tokens,
                                          self.scheduler.config.max_num_batched_tokens)
         if blocks > self.num_gpu_blocks:
@@ -308,14 +298,6 @@ class EngineCore:
                 f"prompt plus max_tokens needs {blocks} KV blocks; the pool has "
                 f"{self.num_gpu_blocks}"
             )
-        if s.logprobs is not None and s.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}")
-        if s.prompt_logprobs is not None and s.prompt_logprobs > self.config.max_logprobs:
-            raise ValueError(f"prompt_logprobs must be <= {self.config.max_logprobs}")
-        if any(t >= vocab for t in s.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be < {vocab}")
-        if any(t >= vocab for t, _ in s.logit_bias):
-            raise ValueError(f"logit_bias token ids must be < {vocab}")
         choices = [
             Request(msg.request_id, list(prompt), s, max_tokens, msg.priority,
                     msg.arrival_time or time.time(), salt_bytes(msg.cache_salt), index=i)

@@ -30,20 +30,15 @@ from gateway.errors import ApiError
 from gateway.generation import EngineClientLike, Generation, Piece, merged, piece_error
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import openapi_document, package_version
-from gateway.protocol import (
+from gateway.requests import (
     AnyRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    TokenizeResponse,
-    decode_body,
-    decode_request,
 )
+from gateway.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from gateway.resumable_sse import StreamRoutes, resumable_sse, wants_resumable
 from gateway.service import Gateway, GatewaySettings
 from gateway.stats_stream import StatsFeed
@@ -55,6 +50,7 @@ from gateway.streaming import (
     prepend,
 )
 from gateway.tracing import trace_headers
+from gateway.validate import check_token_ids, decode_body, decode_request
 from gateway.ws import WebSocketEndpoint
 from ipc.messages import FINISH_ERROR
 
@@ -118,9 +114,7 @@ class Handlers:
             gw.require_ready()
             gw.check_model(parsed.model)
             tok = gw.tokenizer()
-            if parsed.tokens and max(parsed.tokens) >= tok.vocab_size:
-                raise ApiError(400, f"token ids must be < {tok.vocab_size}", "invalid_value",
-                               "tokens")
+            check_token_ids(parsed.tokens, tok.vocab_size, "tokens")
         except ApiError as exc:
             return exc.response()
         text = tok.decode(parsed.tokens, skip_special_tokens=False)

@@ -16,7 +16,8 @@ from gateway.choice_events import (
     TextDelta,
 )
 from gateway.generation import Generation, Piece
-from gateway.protocol import (
+from gateway.requests import FunctionCall, ToolCall
+from gateway.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -27,14 +28,12 @@ from gateway.protocol import (
     CompletionLogprobs,
     CompletionTokensDetails,
     Delta,
-    FunctionCall,
     FunctionCallDelta,
     Message,
     PromptLogprob,
     PromptTokensDetails,
     Timeline,
     TokenLogprobs,
-    ToolCall,
     ToolCallDelta,
     TopLogprob,
     Usage,

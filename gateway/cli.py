@@ -16,6 +16,7 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import uvicorn
@@ -25,11 +26,15 @@ from gateway.read_timeouts import timed_protocol
 from gateway.reasoning import REASONING_PARSERS
 from gateway.resumable import StreamLimits
 from gateway.service import Gateway, GatewaySettings
-from gateway.tool_calls import PARSERS
+from gateway.tools.registry import PARSERS
 from gateway.tracing import traces_url
 from ipc import exit_codes
 from ipc.config import EngineConfig, add_engine_args, config_from_args
 from ipc.sd_notify import Notifier
+
+if TYPE_CHECKING:
+    from gateway.engine_client import EngineClient
+    from gateway.engine_pool import EnginePool
 
 log = structlog.get_logger("pagedserve.serve")
 
@@ -44,6 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_DefaultsOnceFormatter,
     )
     group = serve.add_argument_group("gateway")
+    _add_http_args(group)
+    _add_reply_args(group)
+    _add_stream_args(serve)
+    _add_engine_process_args(serve)
+    add_engine_args(serve)
+    commands.add_parser("engine", help="run one engine process (python -m engine ...)",
+                        add_help=False)
+    commands.add_parser("generate", help="generate offline (python -m engine.generate ...)",
+                        add_help=False)
+    return parser
+
+
+def _add_http_args(group: argparse._ArgumentGroup) -> None:
+    """The gateway's listening, admission, body and timeout flags."""
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on")
     group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
@@ -76,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may finish after SIGTERM before abort")
     group.add_argument("--log-level", default="info", help="gateway log level")
+
+
+def _add_reply_args(group: argparse._ArgumentGroup) -> None:
+    """How the gateway renders prompts and splits replies (templates, tools, reasoning,
+    stored responses) and where it sends traces."""
     group.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template for /v1/chat/completions, instead of the "
                             "model's own (models without one answer chat requests with 400)")
@@ -103,14 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "answer: deepseek_r1 (text before </think>), qwen3 (inside "
                             "<think>...</think>), deepseek_v3 (as deepseek_r1 when the request "
                             "asks `thinking`), mistral ([THINK]...[/THINK]) (default: off)")
-    _add_stream_args(serve)
-    _add_engine_process_args(serve)
-    add_engine_args(serve)
-    commands.add_parser("engine", help="run one engine process (python -m engine ...)",
-                        add_help=False)
-    commands.add_parser("generate", help="generate offline (python -m engine.generate ...)",
-                        add_help=False)
-    return parser
 
 
 class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -265,29 +281,13 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
 
 async def serve(ns: argparse.Namespace) -> int:
     """Serve until drained; returns the exit status (ipc.exit_codes)."""
-    from gateway.engine_client import EngineClient, EngineUnavailableError
-    from gateway.engine_pool import EnginePool
+    from gateway.engine_client import EngineUnavailableError
 
-    client: EngineClient | EnginePool
-    if ns.data_parallel_size > 1:
-        client = EnginePool(config_from_args(ns), size=ns.data_parallel_size,
-                            heartbeat_timeout=ns.engine_heartbeat_timeout,
-                            startup_timeout=ns.engine_startup_timeout, spawn=not ns.attach_engine,
-                            input_addr=ns.engine_input_addr, output_addr=ns.engine_output_addr)
-    else:
-        client = EngineClient(config_from_args(ns), heartbeat_timeout=ns.engine_heartbeat_timeout,
-                              startup_timeout=ns.engine_startup_timeout,
-                              spawn=not ns.attach_engine, input_addr=ns.engine_input_addr,
-                              output_addr=ns.engine_output_addr)
+    client = _engine_client(ns)
     gateway = Gateway(client, settings_from_args(ns))
-    config = uvicorn.Config(build_app(client, gateway=gateway), host=ns.host, port=ns.port,
-                            lifespan="off", access_log=False, log_level=ns.log_level,
-                            ws="websockets", timeout_graceful_shutdown=5,
-                            http=timed_protocol(ns.header_timeout, ns.body_timeout),
-                            ws_max_size=ns.max_body_bytes)
     notifier = Notifier()
     drainer = _Drainer(gateway, ns.shutdown_timeout, notifier)
-    server = _Server(config, drainer)
+    server = _Server(_uvicorn_config(ns, gateway), drainer)
     status = exit_codes.OK
 
     async def start_engine() -> None:
@@ -325,6 +325,30 @@ async def serve(ns: argparse.Namespace) -> int:
     if status == exit_codes.OK and drainer.timed_out:
         status = exit_codes.DRAIN_TIMEOUT
     return status
+
+
+def _engine_client(ns: argparse.Namespace) -> EngineClient | EnginePool:
+    """One engine, or a pool of --data-parallel-size engines (spawned, or attached)."""
+    from gateway.engine_client import EngineClient
+    from gateway.engine_pool import EnginePool
+
+    if ns.data_parallel_size > 1:
+        return EnginePool(config_from_args(ns), size=ns.data_parallel_size,
+                          heartbeat_timeout=ns.engine_heartbeat_timeout,
+                          startup_timeout=ns.engine_startup_timeout, spawn=not ns.attach_engine,
+                          input_addr=ns.engine_input_addr, output_addr=ns.engine_output_addr)
+    return EngineClient(config_from_args(ns), heartbeat_timeout=ns.engine_heartbeat_timeout,
+                        startup_timeout=ns.engine_startup_timeout,
+                        spawn=not ns.attach_engine, input_addr=ns.engine_input_addr,
+                        output_addr=ns.engine_output_addr)
+
+
+def _uvicorn_config(ns: argparse.Namespace, gateway: Gateway) -> uvicorn.Config:
+    return uvicorn.Config(build_app(gateway.client, gateway=gateway), host=ns.host,
+                          port=ns.port, lifespan="off", access_log=False,
+                          log_level=ns.log_level, ws="websockets", timeout_graceful_shutdown=5,
+                          http=timed_protocol(ns.header_timeout, ns.body_timeout),
+                          ws_max_size=ns.max_body_bytes)
 
 
 def _status_line(gateway: Gateway) -> str:

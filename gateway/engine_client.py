@@ -73,15 +73,6 @@ class RequestStream:
         self._done = self._open_seen == 0
         return delta
 
-    def drain_nowait(self) -> list[TokenDelta]:
-        """Every delta already received, without waiting (for coalescing slow readers)."""
-        out: list[TokenDelta] = []
-        while not self._done and not self._queue.empty():
-            out.append(self._queue.get_nowait())
-            self._open_seen = _still_open(self._open_seen, out[-1])
-            self._done = self._open_seen == 0
-        return out
-
     async def aclose(self) -> None:
         """Stop listening; aborts the request in the engine if it has not finished."""
         if not self._terminal_queued:

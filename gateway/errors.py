@@ -68,7 +68,3 @@ class ApiError(Exception):
 def unavailable(message: str, code: str, retry_after: int = 1) -> ApiError:
     """503 with a positive Retry-After: both official SDKs retry on it, honouring the header."""
     return ApiError(503, message, code, headers={"Retry-After": str(max(1, retry_after))})
-
-
-def engine_error(message: str) -> ApiError:
-    return ApiError(500, message, "engine_error")

@@ -26,18 +26,20 @@ from gateway.api.responses_types import (
     ResponsesRequest,
 )
 from gateway.errors import ErrorEnvelope
-from gateway.protocol import (
-    ChatCompletion,
-    ChatCompletionChunk,
+from gateway.requests import (
     ChatCompletionRequest,
-    Completion,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from gateway.responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
     TokenizeResponse,
 )
 
@@ -350,16 +352,9 @@ def _get(operation_id: str, responses: dict[str, Schema]) -> Schema:
     return {"get": {"operationId": operation_id, "responses": responses}}
 
 
-@functools.cache
-def openapi_document() -> dict[str, Any]:
-    """The document (built once; callers must not mutate it)."""
-    types = REQUESTS + RESPONSES
-    refs_list, components = msgspec.json.schema_components(types, ref_template=REF)
-    refs = {t.__name__: ref for t, ref in zip(types, refs_list, strict=True)}
-    _mark_sent_fields_required(components)
-    cancel_path = {"name": "request_id", "in": "path", "required": True,
-                   "schema": {"type": "string", "minLength": 1}}
-    paths = {
+def _model_paths(refs: dict[str, Schema]) -> dict[str, Schema]:
+    """The served models, and tokenizing with the model's tokenizer."""
+    return {
         "/v1/models": {"get": {
             "operationId": "listModels", "security": BEARER,
             "responses": {"200": _json(refs["ModelList"], "the served model"),
@@ -378,6 +373,14 @@ def openapi_document() -> dict[str, Any]:
         "/detokenize": _post("detokenize", refs["DetokenizeRequest"],
                              _json(refs["DetokenizeResponse"], "the ids' text"), refs,
                              {"ids": {"value": {"tokens": [19556, 905]}}}),
+    }
+
+
+def _generation_paths(refs: dict[str, Schema]) -> dict[str, Schema]:
+    """Chat, completions and Responses, cancelling a request and resuming a stream."""
+    cancel_path = {"name": "request_id", "in": "path", "required": True,
+                   "schema": {"type": "string", "minLength": 1}}
+    return {
         "/v1/chat/completions": _generate(refs, "createChatCompletion", "ChatCompletionRequest",
                                           "ChatCompletion", "ChatCompletionChunk", CHAT_EXAMPLES),
         "/v1/completions": _generate(refs, "createCompletion", "CompletionRequest", "Completion",
@@ -388,6 +391,12 @@ def openapi_document() -> dict[str, Any]:
             "responses": {"200": _json(refs["Cancelled"], "the engine was told to abort it"),
                           **_errors(refs, 401, 404)}}},
         "/v1/streams/{stream_id}": _streams(refs),
+    }
+
+
+def _ops_paths(refs: dict[str, Schema]) -> dict[str, Schema]:
+    """Health, liveness, version, metrics, the stats stream and this document."""
+    return {
         "/health": _get("health", {
             "200": _json(refs["Health"], "ready"),
             "503": _json(refs["Health"], "engine not ready, or draining", RETRY_AFTER)}),
@@ -405,8 +414,18 @@ def openapi_document() -> dict[str, Any]:
                 "content": {"text/event-stream": {"schema": _stats_events()}}},
                 **_errors(refs, 401)}}},
         "/openapi.json": _get("openapi", {"200": _json({"type": "object"}, "this document")}),
-        **_messages(refs, components),
     }
+
+
+@functools.cache
+def openapi_document() -> dict[str, Any]:
+    """The document (built once; callers must not mutate it)."""
+    types = REQUESTS + RESPONSES
+    refs_list, components = msgspec.json.schema_components(types, ref_template=REF)
+    refs = {t.__name__: ref for t, ref in zip(types, refs_list, strict=True)}
+    _mark_sent_fields_required(components)
+    paths = {**_model_paths(refs), **_generation_paths(refs), **_ops_paths(refs),
+             **_messages(refs, components)}
     return {
         "openapi": "3.1.0",
         "info": {"title": "pagedserve", "version": package_version(),

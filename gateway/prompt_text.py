@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.protocol import ChatMessage, Tool
+from gateway.requests import ChatMessage, Tool
 
 
 def prompt_text_sizes(messages: Sequence[ChatMessage], tools: Sequence[Tool] | None,

@@ -2,7 +2,7 @@
 field, never a silent ignore. Edit `REFUSED_FIELDS` when one becomes supported.
 
 Fields that change nothing here (`user`, `metadata`, `store`, ...) are accepted: see
-`gateway.protocol._Common`.
+`gateway.requests._Common`.
 """
 
 from __future__ import annotations

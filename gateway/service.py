@@ -20,14 +20,16 @@ from gateway.errors import ApiError, unavailable
 from gateway.generation import EngineClientLike, Generation, Job
 from gateway.metrics import Metrics
 from gateway.prompt_text import prompt_text_sizes
-from gateway.protocol import AnyRequest, ChatCompletionRequest, CompletionRequest, to_sampling
 from gateway.reasoning import REASONING_PARSERS
 from gateway.reasoning.think import ThinkParser
+from gateway.requests import AnyRequest, ChatCompletionRequest, CompletionRequest
 from gateway.resumable import StreamLimits, StreamRegistry
-from gateway.structured import CallSyntax, structured_for, tool_choice_of
+from gateway.structured import structured_for, tool_choice_of
 from gateway.tokenizer import Tokenizer
-from gateway.tool_calls import PARSERS, detect_parser, parser_for, template_messages
-from gateway.tool_parsers import MISTRAL_TOOL_CALLS, TOOL_CALL_END, TOOL_CALL_START
+from gateway.tools.prompt import template_messages
+from gateway.tools.registry import PARSERS, CallSyntax, detect_parser, format_for
+from gateway.validate import check_limits, fill_max_tokens, to_sampling
+from ipc.limits import Limits
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTracer
@@ -53,7 +55,7 @@ class GatewaySettings:
     header_timeout: float = 10.0  # seconds to send a request's head (line and headers)
     body_timeout: float = 30.0  # seconds to send a request's whole body, once its head is in
     # how replies are split into content and tool calls: auto (from the chat template),
-    # hermes, llama3_json or mistral (gateway/tool_parsers.py)
+    # or a format of gateway/tools/registry.py FORMATS
     tool_call_parser: str = "auto"
     # /v1/responses with store: true (gateway/api/response_store.py): a memory budget in MiB
     # (0: keep none) and an age in seconds
@@ -135,6 +137,13 @@ class Gateway:
     def namer(self) -> TokenNamer:
         return TokenNamer(self.tokenizer())
 
+    def limits(self) -> Limits:
+        """The engine's context and logprobs cap (from its handshake: one limit, not two) and
+        the tokenizer's vocabulary."""
+        info = self.client.info
+        assert info is not None, "limits asked before the engine was ready"
+        return Limits(info.max_model_len, info.max_logprobs, self.tokenizer().vocab_size)
+
     def begin_drain(self) -> None:
         self.draining = True
         for listener in list(self.drain_listeners):
@@ -171,33 +180,21 @@ class Gateway:
         # NOTE: the engine's context, already lowered to what its KV pool holds
         max_model_len = self.client.info.max_model_len  # type: ignore[union-attr]
         prompt_ids = await self._prompt_ids(request, max_model_len, prompt_index)
-        max_tokens = request.requested_max_tokens
-        room = max_model_len - len(prompt_ids)
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise ApiError(
-                400,
-                f"this model's maximum context length is {max_model_len} tokens; the prompt "
-                f"has {len(prompt_ids)} and max_tokens asks {max_tokens or 1} more",
-                "context_length_exceeded",
-                _prompt_param(request) if room < 1 else _max_tokens_param(request),
-            )
-        # NOTE: the engine's --max-logprobs, reported in its handshake: one limit, not two
         reasoning = self._reasoning_parser(request, prompt_ids)
         special = reasoning is not None and _special_markers(self.tokenizer(), reasoning.func)
         if structured is not None and reasoning is not None:
             prefix = reasoning().grammar(special)
             if prefix is not None:  # NOTE: the grammar applies to the answer, after reasoning
                 structured = msgspec.structs.replace(structured, reasoning=prefix)
-        info = self.client.info
-        sampling = to_sampling(request, max_tokens or room, info.max_logprobs,  # type: ignore[union-attr]
-                               structured)
+        sampling = to_sampling(request, request.requested_max_tokens, structured)
+        check_limits(request, self.limits(), prompt_ids, sampling)
+        sampling = fill_max_tokens(sampling, max_model_len - len(prompt_ids))
         tool_parser = self._tool_parser(request, syntax)
         if special or (tool_parser is not None
                        and (syntax.special_opening or syntax.special_closing)):
             # NOTE: the parsers find calls and reasoning markers by their text, which a special
             # token only has when special tokens are kept (as vLLM does for Mistral)
             sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
-        self._check_ids(request)
         prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
         request_id = request_id or request.request_id or f"{prefix}-{uuid.uuid4().hex}"
         if request_id in self.generations:
@@ -227,9 +224,8 @@ class Gateway:
         parser = self.settings.tool_call_parser
         if parser == "auto":
             parser = detect_parser(tok.template_source, tok.has_tools_branch)
-        opening = {"hermes": TOOL_CALL_START, "mistral": MISTRAL_TOOL_CALLS}.get(parser)
-        closing = TOOL_CALL_END if parser == "hermes" else None
-        syntax = CallSyntax(parser, _special(tok, opening), _special(tok, closing))
+        fmt = format_for(parser)
+        syntax = CallSyntax(parser, _special(tok, fmt.opening), _special(tok, fmt.closing))
         self._syntax[tok.directory] = syntax
         return syntax
 
@@ -242,7 +238,7 @@ class Gateway:
         if tool_choice_of(request) == "none":
             return None
         names = frozenset(t.function.name for t in request.tools)
-        return functools.partial(parser_for(syntax.parser), tools=names)
+        return functools.partial(syntax.format.parser, tools=names)
 
     def _reasoning_parser(self, request: AnyRequest, prompt_ids: list[int]
                           ) -> functools.partial[ThinkParser] | None:
@@ -366,7 +362,6 @@ class Gateway:
 
     async def _prompt_ids(self, request: AnyRequest, max_model_len: int,
                           prompt_index: int = 0) -> list[int]:
-        tok = self.tokenizer()
         if isinstance(request, CompletionRequest):
             prompt = request.prompts[prompt_index]
             ids = (await self.encode_prompt(prompt, request.add_special_tokens)
@@ -375,20 +370,7 @@ class Gateway:
             ids = await self.chat_prompt_ids(request, max_model_len)
         if not ids:
             raise ApiError(400, "the prompt is empty", "invalid_value", "prompt")
-        if max(ids) >= tok.vocab_size:
-            raise ApiError(400, f"token ids must be < {tok.vocab_size}", "invalid_value", "prompt")
         return ids
-
-    def _check_ids(self, request: AnyRequest) -> None:
-        vocab = self.tokenizer().vocab_size
-        for i, token in enumerate(request.stop_token_ids or ()):
-            if token >= vocab:
-                raise ApiError(400, f"stop_token_ids must be < {vocab} (the vocabulary)",
-                               "invalid_value", f"stop_token_ids[{i}]")
-        for key in request.logit_bias or {}:
-            if int(key) >= vocab:  # NOTE: keys are digit strings (protocol checked them)
-                raise ApiError(400, f"logit_bias keys must be token ids < {vocab} (the "
-                               "vocabulary)", "invalid_value", f"logit_bias.{key}")
 
 
 # NOTE: encoding about 50k characters takes about 50 ms here; shorter texts stay on the loop
@@ -417,16 +399,6 @@ def _check_text_length(sizes: dict[str, int], max_model_len: int, tok: Tokenizer
         raise ApiError(400, f"the prompt has {chars} characters{detail}; at most {limit} can "
                        f"fit in this model's context of {max_model_len} tokens",
                        "context_length_exceeded", param)
-
-
-def _prompt_param(request: AnyRequest) -> str:
-    return "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
-
-
-def _max_tokens_param(request: AnyRequest) -> str:
-    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
-        return "max_completion_tokens"
-    return "max_tokens"
 
 
 def _template_kwargs(request: Any, tok: Tokenizer, template: str | None) -> dict[str, Any]:

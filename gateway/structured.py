@@ -1,38 +1,25 @@
 """What a request asks the output to look like, as one engine grammar: `response_format`,
-vLLM's `structured_outputs`, or tool calls in the parser's format (forced by a `tool_choice` of
+vLLM's `structured_outputs`, or tool calls in the request's format (forced by a `tool_choice` of
 required or a named function; constrained once started for strict tools under auto).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 from gateway.errors import ApiError
-from gateway.protocol import AnyRequest, ChatCompletionRequest, NamedToolChoice, Tool
-from gateway.tool_parsers import MISTRAL_TOOL_CALLS, TOOL_CALL_END, TOOL_CALL_START
+from gateway.requests import AnyRequest, ChatCompletionRequest, NamedToolChoice, Tool
+from gateway.tools.registry import CallSyntax
 from ipc.sampling import StructuredOutputs
 
 # NOTE: llguidance's JSON options for schemas embedded in a Lark grammar, matching the engine's
 # spacing for plain schemas (engine/sched/structured/backend.py json_options).
 _X_GUIDANCE = {"coerce_one_of": True, "item_separator": ", ", "key_separator": ": ",
                "whitespace_flexible": False}
-# NOTE: Mistral's templates write each past call's 9-character id after its arguments
-_MISTRAL_ID = {"id": {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}}
+_FALLBACK = CallSyntax()  # the fallback prompt's format, its tags as text
 
 
-@dataclass(frozen=True)
-class CallSyntax:
-    """How the request's tool-call parser writes calls: its name, and the Lark of its opening
-    (and Hermes' closing tag) when the tokenizer has it as one special token (`<[id]>`), else
-    None: the literal text."""
-
-    parser: str = "hermes"
-    special_opening: str | None = None
-    special_closing: str | None = None
-
-
-def structured_for(request: AnyRequest, syntax: CallSyntax = CallSyntax()
+def structured_for(request: AnyRequest, syntax: CallSyntax = _FALLBACK
                    ) -> StructuredOutputs | None:
     """The grammar the request's output must match, or None; invalid combinations are 400s."""
     found = [s for s in (_from_response_format(request), _from_structured_outputs(request),
@@ -102,71 +89,39 @@ def _from_tools(request: AnyRequest, syntax: CallSyntax) -> StructuredOutputs | 
 
 
 def tool_call_grammar(tools: list[Tool], parallel: bool,
-                      syntax: CallSyntax = CallSyntax()) -> str:
-    """A Lark grammar of one call (or several, `parallel`) to these tools in the parser's
+                      syntax: CallSyntax = _FALLBACK) -> str:
+    """A Lark grammar of one call (or several, `parallel`) to these tools in the request's
     format, each call's arguments constrained by its tool's parameters schema."""
     rules = _call_rules(tools, parallel, syntax, strict_only=False)
-    if syntax.parser == "llama3_json":
-        return f"start: calls\n{rules}"
-    return f"start: {_opening(syntax)} calls\n{rules}"
+    return f"{syntax.format.forced_start(syntax)}\n{rules}"
 
 
 def auto_tool_grammar(tools: list[Tool], parallel: bool,
-                      syntax: CallSyntax = CallSyntax()) -> str:
+                      syntax: CallSyntax = _FALLBACK) -> str:
     """`tool_choice: auto` with strict tools: any text, or calls; once a call's opening is
     written the rest of it must match (strict tools' arguments follow their schema, the other
-    tools' arguments are any object).
-
-    NOTE: an opening that is plain text ends a lazy lexeme (llguidance's tool-calling recipe):
-    free text runs until the opening's first appearance, which then commits to a call.
-    Llama 3 JSON has no opening: a reply is calls when it begins with `{`.
-    """
-    # NOTE: Hermes repeats whole calls (`lead calls`), each after its own stretch of text
-    rules = _call_rules(tools, parallel and syntax.parser != "hermes", syntax, strict_only=True)
-    text = "TEXT: /(.|\\n)*/\n"
-    if syntax.parser == "llama3_json":
-        return ("%llguidance {}\nstart: PLAIN | LEAD? calls\n"
-                "PLAIN: /\\s*([^\\s{](.|\\n)*)?/\nLEAD: /\\s+/\n" + rules)
-    if syntax.special_opening is not None:
-        lead = f"lead: TEXT {syntax.special_opening}\n"
-    else:
-        lead = f"lead[lazy]: TEXT {json.dumps(_opening_text(syntax))}\n"
-    start = "start: (lead calls)* TEXT" if parallel else "start: TEXT | lead calls"
-    return f"%llguidance {{}}\n{start}\n{lead}{text}{rules}"
+    tools' arguments are any object). The format frames it (ToolFormat.auto_grammar)."""
+    fmt = syntax.format
+    rules = _call_rules(tools, parallel and fmt.joins_calls, syntax, strict_only=True)
+    return fmt.auto_grammar(rules, parallel, syntax)
 
 
 def _call_rules(tools: list[Tool], parallel: bool, syntax: CallSyntax,
                 strict_only: bool) -> str:
     """Lark rules `calls` (what follows the opening) and `body` (one call's JSON)."""
-    key = "parameters" if syntax.parser == "llama3_json" else "arguments"
+    fmt = syntax.format
+    key = fmt.args_key
     bodies = [{"type": "object",
                "properties": {"name": {"const": t.function.name},
                               key: _arguments_schema(t, strict_only),
-                              **(_MISTRAL_ID if syntax.parser == "mistral" else {})},
+                              **fmt.call_properties()},
                "required": ["name", key], "additionalProperties": False}
               for t in tools]
     body = f"body: %json {json.dumps({'anyOf': bodies, 'x-guidance': _X_GUIDANCE})}\n"
-    if syntax.parser == "llama3_json":
-        calls = 'calls: body ("; " body)*' if parallel else "calls: body"
-    elif syntax.parser == "mistral":
-        calls = 'calls: " [" body (", " body)* "]"' if parallel else 'calls: " [" body "]"'
-    else:
-        close = (f'"\\n" {syntax.special_closing}' if syntax.special_closing
-                 else json.dumps(f"\n{TOOL_CALL_END}"))
-        one = f'"\\n" body {close}'
-        calls = f'calls: {one} ("\\n" {_opening(syntax)} {one})*' if parallel else f"calls: {one}"
-    return f"{calls}\n{body}"
+    return f"{fmt.calls_rule(parallel, syntax)}\n{body}"
 
 
 def _arguments_schema(tool: Tool, strict_only: bool) -> dict:
     if strict_only and not tool.function.strict:
         return {"type": "object"}
     return tool.function.parameters or {"type": "object"}
-
-
-def _opening_text(syntax: CallSyntax) -> str:
-    return MISTRAL_TOOL_CALLS if syntax.parser == "mistral" else TOOL_CALL_START
-
-
-def _opening(syntax: CallSyntax) -> str:
-    return syntax.special_opening or json.dumps(_opening_text(syntax))

@@ -119,10 +119,6 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None
-
     def encode(self, text: str, add_special_tokens: bool = False,
                split_special_tokens: bool = False) -> list[int]:
         """Ids of `text`; `split_special_tokens` encodes special-token strings as plain text."""

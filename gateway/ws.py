@@ -22,11 +22,12 @@ from gateway.auth import bearer_ok
 from gateway.chunks import ChunkBuilder, timeline_of, usage_of
 from gateway.errors import ApiError
 from gateway.generation import Generation, piece_error
-from gateway.protocol import ChatCompletionRequest, RequestId, decode_request
+from gateway.requests import ChatCompletionRequest, RequestId
 from gateway.resumable import ResumableStream
 from gateway.resumable_sse import wants_resumable
 from gateway.service import Gateway
 from gateway.tracing import trace_headers
+from gateway.validate import decode_request
 from ipc.messages import FINISH_ABORT, FINISH_ERROR
 
 SUBPROTOCOL = "pagedserve.v1"

@@ -28,7 +28,7 @@ from gateway.api.anthropic_types import (
     ToolUseBlock,
 )
 from gateway.errors import ApiError
-from gateway.protocol import (
+from gateway.requests import (
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
@@ -40,8 +40,8 @@ from gateway.protocol import (
     Tool,
     ToolCall,
     ToolChoice,
-    decode_body,
 )
+from gateway.validate import decode_body
 
 # field -> why it is refused (the message says "`<field>` <why>")
 REFUSED_FIELDS = {

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from gateway.protocol import MAX_STOP_STRINGS, NonNegInt, PosInt, StopString
+from gateway.requests import MAX_STOP_STRINGS, NonNegInt, PosInt, StopString
 
 # NOTE: Anthropic's tool-name rule (the SDK does not check it; the API does)
 ToolName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]

@@ -32,7 +32,7 @@ from gateway.api.responses_types import (
 from gateway.body import read_body
 from gateway.errors import ApiError
 from gateway.generation import Generation, Job, Piece, piece_error
-from gateway.protocol import ChatMessage, FunctionCall, ToolCall, check_request, decode_body
+from gateway.requests import ChatMessage, FunctionCall, ToolCall
 from gateway.resumable_sse import resumable_sse, wants_resumable
 from gateway.service import Gateway
 from gateway.streaming import (
@@ -42,6 +42,7 @@ from gateway.streaming import (
     prepend,
 )
 from gateway.tracing import trace_headers
+from gateway.validate import check_request, decode_body
 from ipc.messages import FINISH_ERROR
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from gateway.protocol import ChatMessage
+from gateway.requests import ChatMessage
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from gateway.api.responses_types import InputItem, InputPart, ResponsesRequest, ResponsesTool
 from gateway.errors import ApiError
-from gateway.protocol import (
+from gateway.refused import REFUSED_FIELDS as CHAT_REFUSED
+from gateway.refused import refusal_check
+from gateway.requests import (
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
@@ -19,8 +21,6 @@ from gateway.protocol import (
     ToolCall,
     ToolChoice,
 )
-from gateway.refused import REFUSED_FIELDS as CHAT_REFUSED
-from gateway.refused import refusal_check
 
 # field name -> why it is refused (the message says "`<field>` <why>"); false, null and empty
 # values pass (clients send them as defaults)

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from gateway.protocol import NonNegInt, PosInt, Seed, Stop, StopTokenIds
+from gateway.requests import NonNegInt, PosInt, Seed, Stop, StopTokenIds
 
 ToolName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 

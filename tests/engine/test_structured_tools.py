@@ -16,9 +16,10 @@ import msgspec
 import pytest
 
 from engine import LLM, SamplingParams
-from gateway.protocol import Tool
-from gateway.structured import CallSyntax, auto_tool_grammar
-from gateway.tool_parsers import HermesParser
+from gateway.requests import Tool
+from gateway.structured import auto_tool_grammar
+from gateway.tools.hermes import HermesParser
+from gateway.tools.registry import CallSyntax
 from ipc.sampling import StructuredOutputs
 from tests.tiny_llama import build_tiny_llama
 

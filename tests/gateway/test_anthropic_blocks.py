@@ -15,7 +15,7 @@ from gateway.api.anthropic_messages import sse
 from gateway.api.anthropic_types import MessageReply, MessageStart, MessageUsage
 from gateway.choice_events import ChoiceEvents
 from gateway.generation import Job, Piece
-from gateway.tool_parsers import HermesParser
+from gateway.tools.hermes import HermesParser
 from ipc.sampling import SamplingParams
 
 

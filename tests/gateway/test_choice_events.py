@@ -6,7 +6,7 @@ import functools
 
 from gateway.choice_events import CallArguments, CallStart, ChoiceEvents, ReasoningDelta, TextDelta
 from gateway.generation import Job, Piece
-from gateway.tool_parsers import HermesParser
+from gateway.tools.hermes import HermesParser
 from ipc.sampling import SamplingParams
 
 

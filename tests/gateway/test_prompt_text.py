@@ -12,7 +12,7 @@ from gateway_fakes import FakeEngine
 
 from gateway.errors import ApiError
 from gateway.prompt_text import prompt_text_sizes
-from gateway.protocol import ChatCompletionRequest
+from gateway.requests import ChatCompletionRequest
 from gateway.service import _OFF_LOOP_CHARS, Gateway
 
 TOOL = {"type": "function", "function": {

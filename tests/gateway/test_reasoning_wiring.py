@@ -7,7 +7,7 @@ from gateway_fakes import FakeEngine
 
 from gateway.choice_events import ChoiceEvents, ReasoningDelta, TextDelta
 from gateway.generation import Piece
-from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.requests import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.service import Gateway, GatewaySettings
 
 MESSAGES = [ChatMessage(role="user", content="hi")]

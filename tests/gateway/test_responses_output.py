@@ -16,8 +16,8 @@ from gateway.api.response_store import ResponseStore
 from gateway.api.responses_output import ResponseWriter
 from gateway.api.responses_types import ResponseObject
 from gateway.generation import Job, Piece
-from gateway.protocol import ChatMessage
-from gateway.tool_parsers import HermesParser
+from gateway.requests import ChatMessage
+from gateway.tools.hermes import HermesParser
 from ipc.sampling import SamplingParams
 
 # event type -> openai-python's model of it

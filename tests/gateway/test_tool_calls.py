@@ -12,11 +12,12 @@ import pytest
 
 from engine.sched.structured.tokenizer import build_lltokenizer
 from gateway.errors import ApiError
-from gateway.protocol import ChatCompletionRequest, decode_request
+from gateway.requests import ChatCompletionRequest
 from gateway.structured import structured_for, tool_call_grammar
 from gateway.tokenizer import Tokenizer
-from gateway.tool_calls import template_messages
-from gateway.tool_parsers import HermesParser
+from gateway.tools.hermes import HermesParser
+from gateway.tools.prompt import template_messages
+from gateway.validate import decode_request
 
 TOOL = {"type": "function", "function": {
     "name": "lookup", "parameters": {"type": "object", "properties": {
@@ -89,7 +90,7 @@ def test_forced_call_grammar_accepts_only_valid_calls(bundled_tokenizer_dir):
 
 
 def _tool_type():
-    from gateway.protocol import Tool
+    from gateway.requests import Tool
 
     return Tool
 

@@ -17,9 +17,10 @@ from llama_models.llama3.tool_utils import ToolUtils
 from llguidance.numpy import fill_next_token_bitmask
 
 from engine.sched.structured.tokenizer import build_lltokenizer
-from gateway.protocol import ChatCompletionRequest, Tool, decode_request
-from gateway.structured import CallSyntax, auto_tool_grammar, structured_for, tool_call_grammar
-from gateway.tool_parsers import PARSER_CLASSES
+from gateway.requests import ChatCompletionRequest, Tool
+from gateway.structured import auto_tool_grammar, structured_for, tool_call_grammar
+from gateway.tools.registry import FORMATS, CallSyntax
+from gateway.validate import decode_request
 
 VOCAB, EOS = 49152, 2  # the bundled SmolLM2: <|im_end|> ends a turn
 WEATHER = {"type": "function", "function": {
@@ -80,7 +81,7 @@ def _walk(tok, grammar: str, forced: str, seed: int, limit: int = 400) -> str:
 
 
 def _parsed(parser: str, text: str) -> tuple[str, list[tuple[str, dict]]]:
-    p = PARSER_CLASSES[parser]()
+    p = FORMATS[parser].parser()
     events = p.feed(text, final=True)
     content = "".join(e.content for e in events if e.index is None)
     return content, [(name, json.loads(args)) for _, name, args in p.calls]

@@ -15,17 +15,14 @@ from llama_models.llama3.tool_utils import ToolUtils
 from mistral_common.integrations.chat_templates.chat_templates import generate_chat_template
 from mistral_common.tokens.tokenizers.base import TokenizerVersion
 
-from gateway.protocol import ChatCompletionRequest, decode_request
+from gateway.requests import ChatCompletionRequest
 from gateway.tokenizer import Tokenizer
-from gateway.tool_calls import calls_text, detect_parser, template_messages
-from gateway.tool_parsers import (
-    MISTRAL_TOOL_CALLS,
-    TOOL_CALL_END,
-    TOOL_CALL_START,
-    HermesParser,
-    Llama3JsonParser,
-    MistralParser,
-)
+from gateway.tools.hermes import TOOL_CALL_END, TOOL_CALL_START, HermesParser
+from gateway.tools.llama3_json import Llama3JsonParser
+from gateway.tools.mistral import MISTRAL_TOOL_CALLS, MistralParser
+from gateway.tools.prompt import template_messages
+from gateway.tools.registry import FORMATS, detect_parser
+from gateway.validate import decode_request
 
 ARGS = [{"city": "S\u00e3o Paulo \u65e5\u672c", "note": 'a "quoted" {brace} ; [x]'},
         {"n": [1, 2, {"k": None}], "ok": True}]
@@ -85,7 +82,7 @@ def test_llama3_reads_what_metas_own_code_writes():
     parser = Llama3JsonParser()
     _stream(parser, text, 4)
     assert [(n, json.loads(a)) for _, n, a in parser.calls] == [("get_weather", ARGS[0])]
-    ours = calls_text([("get_weather", ARGS[0])], "llama3_json")
+    ours = FORMATS["llama3_json"].calls_text([("get_weather", ARGS[0])])
     assert ToolUtils.maybe_extract_custom_tool_call(ours) == ("get_weather", ARGS[0])
 
 

@@ -1,24 +1,14 @@
-"""Incremental tool-call parsers (`--tool-call-parser`): each splits a reply's streamed text into
-content and calls, sending a call's id and name first, then its arguments as they arrive.
-
-Formats (vLLM's names): `hermes` `<tool_call>\\n{"name", "arguments"}\\n</tool_call>` (Qwen2.5,
-Hermes, our fallback prompt); `llama3_json` a reply that is `{"name", "parameters"}` objects
-joined by `; ` (Llama 3.1/3.2 JSON tool calling); `mistral` `[TOOL_CALLS] [{"name",
-"arguments"}, ...]` (Mistral tokenizers v3 to v7).
-"""
+"""What the tool-call parsers share: the calls read so far, a streamed JSON object judged a call
+once its `name` is one of the request's tools, and runs of such objects (Llama 3, Mistral).
+Each format's own parser is in its file (gateway/tools/hermes.py, llama3_json.py, mistral.py)."""
 
 from __future__ import annotations
 
 import json
-import random
-import string
 import uuid
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
-PYTHON_TAG = "<|python_tag|>"
 _WS = " \t\r\n"
 
 
@@ -152,8 +142,10 @@ class _JsonCall:
 
 
 @dataclass
-class _Parser:
-    """What the three parsers share: the calls so far and the events that record them."""
+class CallParser:
+    """A format's incremental parser: `feed(text, final)` splits a reply's streamed text into
+    content and calls, sending a call's id and name first, then its arguments as they arrive.
+    This base holds the calls so far and the events that record them."""
 
     tools: frozenset[str] | None = None  # the request's function names (None: any name)
     calls: list[tuple[str, str, str]] = field(default_factory=list)  # (id, name, arguments)
@@ -163,6 +155,10 @@ class _Parser:
     _after_call: bool = False  # whitespace right after a call is not content
 
     ARGS_KEYS: ClassVar[tuple[str, ...]] = ("arguments",)
+
+    def feed(self, text: str, final: bool = False) -> list[CallEvent]:
+        """The events of `text`, the reply's next piece; `final`: no more text will come."""
+        raise NotImplementedError
 
     @property
     def named_calls(self) -> list[tuple[str, str, str]]:
@@ -204,39 +200,7 @@ class _Parser:
             events.append(CallEvent(content=text))
 
 
-class HermesParser(_Parser):
-    """`<tool_call>` JSON `</tool_call>` calls anywhere in the text."""
-
-    def feed(self, text: str, final: bool = False) -> list[CallEvent]:
-        self._buf += text
-        events: list[CallEvent] = []
-        while True:
-            if self._call is None:
-                start = self._buf.find(TOOL_CALL_START)
-                if start < 0:
-                    keep = 0 if final else partial_suffix(self._buf, TOOL_CALL_START)
-                    cut = len(self._buf) - keep
-                    self._content(self._buf[:cut], events)
-                    self._buf = self._buf[cut:]
-                    return events
-                self._content(self._buf[:start], events)
-                self._held = TOOL_CALL_START
-                self._buf = self._buf[start + len(TOOL_CALL_START):]
-                self._new_call()
-                continue
-            end = self._buf.find(TOOL_CALL_END)
-            keep = 0 if end >= 0 or final else partial_suffix(self._buf, TOOL_CALL_END)
-            body = self._buf[:end] if end >= 0 else self._buf[: len(self._buf) - keep]
-            self._buf = self._buf[len(body):]
-            if not self._feed_call(body, end >= 0 or final, events):
-                continue  # NOTE: not a call: the rest (its closing tag too) is content
-            if end < 0:
-                return events
-            self._buf = self._buf[len(TOOL_CALL_END):]
-            self._call, self._after_call = None, True
-
-
-class _ObjectsParser(_Parser):
+class ObjectsParser(CallParser):
     """Calls as a run of JSON objects joined by a separator (Llama 3, Mistral)."""
 
     SEPARATOR = ";"
@@ -268,93 +232,6 @@ class _ObjectsParser(_Parser):
                     self._new_call()
                     continue
             return True
-
-
-class Llama3JsonParser(_ObjectsParser):
-    """A reply that begins (after `<|python_tag|>` and spaces) with `{` is calls
-    `{"name", "parameters"}` joined by `; `; any other reply, or an object that is no call of
-    the request's tools, is content."""
-
-    ARGS_KEYS = ("parameters", "arguments")
-    _mode: str = "start"  # start | calls | content
-
-    def feed(self, text: str, final: bool = False) -> list[CallEvent]:
-        self._buf += text
-        events: list[CallEvent] = []
-        if self._mode == "start":
-            head = self._buf.lstrip()
-            if head.startswith(PYTHON_TAG):
-                head = head[len(PYTHON_TAG):].lstrip()
-            if not final and (not head or PYTHON_TAG.startswith(head)):
-                return events  # NOTE: not yet known whether this reply is a call
-            if head.startswith("{"):
-                self._held = self._buf[: len(self._buf) - len(head)]
-                self._mode, self._buf = "calls", head
-                self._new_call()
-            else:
-                self._mode = "content"
-        if self._mode == "calls" and self._objects(events, final) is not None:
-            self._mode = "content"
-        if self._mode == "content":
-            self._content(self._buf, events)
-            self._buf = ""
-        return events
-
-
-class MistralParser(_ObjectsParser):
-    """Content, then `[TOOL_CALLS]` and a JSON array of `{"name", "arguments"}` objects."""
-
-    SEPARATOR = ","
-    _mode: str = "content"  # content | array | calls
-
-    def _call_id(self) -> str:
-        # NOTE: Mistral's templates take only 9-character alphanumeric call ids
-        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
-
-    def feed(self, text: str, final: bool = False) -> list[CallEvent]:
-        self._buf += text
-        events: list[CallEvent] = []
-        while True:
-            if self._mode == "content":
-                start = self._buf.find(MISTRAL_TOOL_CALLS)
-                if start < 0:
-                    keep = 0 if final else partial_suffix(self._buf, MISTRAL_TOOL_CALLS)
-                    cut = len(self._buf) - keep
-                    self._content(self._buf[:cut], events)
-                    self._buf = self._buf[cut:]
-                    return events
-                self._content(self._buf[:start], events)
-                self._held = MISTRAL_TOOL_CALLS
-                self._buf = self._buf[start + len(MISTRAL_TOOL_CALLS):]
-                self._mode = "array"
-            if self._mode == "array":
-                head = self._buf.lstrip()
-                if not head and not final:
-                    return events
-                if not head.startswith("["):  # NOTE: not a call array: shown as content
-                    self._mode = "content"
-                    events.append(CallEvent(content=self._held))
-                    self._held = ""
-                    continue
-                head = head[1:].lstrip()
-                if not head and not final:
-                    return events
-                self._held += self._buf[: len(self._buf) - len(head)]
-                self._buf, self._mode = head, "calls"
-                if head.startswith("{"):
-                    self._new_call()
-            done = self._objects(events, final)
-            if done is None:
-                return events
-            if done and self._held:  # NOTE: no object followed the opening: all content
-                events.append(CallEvent(content=self._held))
-                self._held, done = "", False
-            if done:
-                rest = self._buf.lstrip()
-                self._buf = rest[1:] if rest.startswith("]") else rest
-            self._mode, self._held = "content", ""
-            if not self._buf:
-                return events
 
 
 def partial_suffix(text: str, tag: str) -> int:
@@ -396,7 +273,3 @@ def json_value_prefix(text: str) -> tuple[int, bool]:
         else:
             begun = True
     return len(text), False
-
-
-PARSER_CLASSES: dict[str, type[_Parser]] = {
-    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
