@@ -3,12 +3,20 @@ writes them, how a prompt shows them, the Lark framing of their grammar, and the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from gateway.tools.parsing import CallParser
 
-if TYPE_CHECKING:
-    from gateway.tools.registry import CallSyntax
+
+class CallSyntax(Protocol):
+    """What a format's grammar reads of registry.CallSyntax (a Protocol here, so that the
+    formats need not import the registry that lists them)."""
+
+    special_opening: str | None
+    special_closing: str | None
+
+    @property
+    def opening(self) -> str: ...
 
 
 class ToolFormat:

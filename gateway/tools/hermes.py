@@ -10,7 +10,7 @@ from gateway.tools.format import ToolFormat
 from gateway.tools.parsing import CallEvent, CallParser, partial_suffix
 
 if TYPE_CHECKING:
-    from gateway.tools.registry import CallSyntax
+    from gateway.tools.format import CallSyntax
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 

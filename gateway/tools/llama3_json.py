@@ -10,7 +10,7 @@ from gateway.tools.format import ToolFormat
 from gateway.tools.parsing import CallEvent, ObjectsParser
 
 if TYPE_CHECKING:
-    from gateway.tools.registry import CallSyntax
+    from gateway.tools.format import CallSyntax
 
 PYTHON_TAG = "<|python_tag|>"
 

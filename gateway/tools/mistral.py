@@ -12,7 +12,7 @@ from gateway.tools.format import ToolFormat
 from gateway.tools.parsing import CallEvent, ObjectsParser, partial_suffix
 
 if TYPE_CHECKING:
-    from gateway.tools.registry import CallSyntax
+    from gateway.tools.format import CallSyntax
 
 MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 
