@@ -18,6 +18,7 @@ from typing import Any
 
 import ipc
 from ipc.config import EngineConfig
+from ipc.engine_timeouts import EngineTimeouts
 from ipc.messages import (
     FINISH_ERROR,
     AbortRequests,
@@ -107,10 +108,12 @@ def _still_open(num_open: int, delta: TokenDelta) -> int:
 class EngineClient:
     """One engine behind ZeroMQ. `spawn=False` waits for an engine started elsewhere."""
 
-    def __init__(self, config: EngineConfig, *, heartbeat_timeout: float = 5.0,
+    def __init__(self, config: EngineConfig, *,
+                 heartbeat_timeout: float = EngineTimeouts.heartbeat_timeout,
                  restart: bool = True, input_addr: str | None = None,
                  output_addr: str | None = None, spawn: bool = True,
-                 startup_timeout: float = 300.0, heartbeat_interval: float = 1.0,
+                 startup_timeout: float = EngineTimeouts.startup_timeout,
+                 heartbeat_interval: float = EngineTimeouts.heartbeat_interval,
                  engine_command: Sequence[str] | None = None,
                  sockets: GatewaySockets | None = None) -> None:
         """`engine_command` is the argv prefix that starts an engine (default: python -m

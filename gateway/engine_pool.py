@@ -16,6 +16,7 @@ import msgspec
 
 from gateway.engine_client import EngineClient, EngineUnavailableError, RequestStream
 from ipc.config import EngineConfig
+from ipc.engine_timeouts import EngineTimeouts
 from ipc.messages import AddRequest, EngineReady, EngineStats, FromEngine, Heartbeat
 from ipc.prefix_hash import DIGEST_BYTES, prompt_block_hashes, unpack_digest
 from ipc.transport import GatewaySockets, default_addresses
@@ -63,8 +64,9 @@ class EnginePool:
 
     def __init__(self, config: EngineConfig, *, size: int, spawn: bool = True,
                  input_addr: str | None = None, output_addr: str | None = None,
-                 heartbeat_timeout: float = 5.0, heartbeat_interval: float = 1.0,
-                 startup_timeout: float = 300.0, restart: bool = True,
+                 heartbeat_timeout: float = EngineTimeouts.heartbeat_timeout,
+                 heartbeat_interval: float = EngineTimeouts.heartbeat_interval,
+                 startup_timeout: float = EngineTimeouts.startup_timeout, restart: bool = True,
                  engine_command: Sequence[str] | None = None,
                  min_prefix_ratio: float = 0.5, max_imbalance: int = 4) -> None:
         if size < 1:
@@ -110,7 +112,7 @@ class EnginePool:
         all_stats = [m.client.stats for m in self.members if m.client.ready and m.client.stats]
         if not all_stats:
             return None
-        return EngineStats(**{n: _add_up([getattr(s, n) for s in all_stats])
+        return EngineStats(**{n: add_up([getattr(s, n) for s in all_stats])
                               for n in EngineStats.__struct_fields__})
 
     @property
@@ -256,7 +258,7 @@ class EnginePool:
                     break
 
 
-def _add_up(values: list[Any]) -> Any:
+def add_up(values: list[Any]) -> Any:
     """Sum counters; lists (per-position counters) add element-wise."""
     if isinstance(values[0], list):
         return [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)]

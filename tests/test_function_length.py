@@ -14,7 +14,6 @@ KNOWN_LONG = {
     "engine/core.py:__init__",
     "engine/request.py:__init__",
     "gateway/cli.py:build_parser",
-    "gateway/cli.py:serve",
     "gateway/openapi.py:openapi_document",
 }
 
