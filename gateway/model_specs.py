@@ -43,34 +43,34 @@ def spec_of(name: str | None, options: Mapping[str, Any], base: EngineConfig,
         if key not in _OPTIONS and key not in _SPEC_KEYS:
             raise ValueError(f"unknown model option `{key}` (engine options are the serve "
                              "flags' names with underscores, e.g. max_model_len)")
-    engine = {k: v for k, v in options.items() if k in _OPTIONS}
+    for key, value in options.items():
+        _check_type(key, value, _KINDS.get(key, "str | None"))
+    engine = {k: float(v) if _KINDS[k].startswith("float") and v is not None else v
+              for k, v in options.items() if k in _OPTIONS}
     path = options.get("path", base.model)
-    if path is not None and not isinstance(path, str):
-        raise ValueError("`path` must be a string")
     served = name or model_name(path, base.served_model_name)
-    try:
-        config = base.replace(model=path, served_model_name=served, **engine)
-    except TypeError as exc:  # NOTE: a value of the wrong kind in a comparison
-        raise ValueError(f"bad model option: {exc}") from None
-    for f in fields(EngineConfig):
-        _check_type(f.name, getattr(config, f.name), getattr(base, f.name))
+    config = base.replace(model=path, served_model_name=served, **engine)  # ValueError
     dp = options.get("data_parallel_size", data_parallel_size)
-    if not isinstance(dp, int) or isinstance(dp, bool):
-        raise ValueError("`data_parallel_size` must be an integer")
     return ModelSpec(name=served, config=config, data_parallel_size=dp)
 
 
-def _check_type(key: str, value: object, default: object) -> None:
-    """A file's or a body's value must have the kind the flag would parse (int for a float
-    option is fine, as JSON and TOML write 1 for 1.0)."""
-    if value is None or default is None or value == default:
+# the kind each option's flag parses: "int", "float | None", ... (the fields' annotations)
+_KINDS = {f.name: str(f.type) for f in fields(EngineConfig)} | {"data_parallel_size": "int"}
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def _check_type(key: str, value: object, annotation: str) -> None:
+    """A file's or a body's value must have the kind the flag would parse (an int for a float
+    is fine: JSON and TOML write 1 for 1.0)."""
+    kind, _, rest = annotation.partition(" | ")
+    if value is None and rest == "None":
         return
-    kind = type(default)
-    ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    want = _TYPES[kind]
+    ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True
     if not ok:
-        raise ValueError(f"model option `{key}` must be a {kind.__name__}, not {value!r}")
+        raise ValueError(f"model option `{key}` must be {kind}, not {value!r}")
 
 
 def specs_from_flags(models: list[str], base: EngineConfig,

@@ -19,6 +19,7 @@ from gateway.api.anthropic_types import (
     StreamEvent,
     TokenCount,
 )
+from gateway.api.model_management import openapi_paths as model_paths
 from gateway.api.responses_types import (
     DeletedResponse,
     ResponseEvent,
@@ -406,6 +407,7 @@ def openapi_document() -> dict[str, Any]:
                 **_errors(refs, 401)}}},
         "/openapi.json": _get("openapi", {"200": _json({"type": "object"}, "this document")}),
         **_messages(refs, components),
+        **model_paths(refs["ErrorEnvelope"]),
     }
     return {
         "openapi": "3.1.0",

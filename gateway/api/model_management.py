@@ -164,3 +164,62 @@ def model_routes(gw: Gateway) -> list[Route]:
             Route("/models/load", routes.load, methods=["POST"]),
             Route("/models/unload", routes.unload, methods=["POST"])]
 
+
+
+def openapi_paths(error: dict[str, Any]) -> dict[str, Any]:
+    """The three routes' part of the OpenAPI document; `error` is the ErrorEnvelope's schema."""
+    def errors(*codes: int) -> dict[str, Any]:
+        return {str(c): {"description": _ERRORS[c],
+                         "content": {"application/json": {"schema": error}}} for c in codes}
+
+    def answer(schema: dict[str, Any], what: str) -> dict[str, Any]:
+        return {"description": what, "content": {"application/json": {"schema": schema}}}
+
+    keyed = [{"bearerAuth": []}, {}]
+    body = {"type": "object", "required": ["model"], "properties": {
+        "model": {"type": "string", "description": "the served name"},
+        "path": {"type": "string", "description": "HF directory or .gguf (load: a new model)"},
+        "data_parallel_size": {"type": "integer", "minimum": 1},
+        "timeout": {"type": "number", "minimum": 0,
+                    "description": "unload: seconds in-flight requests may finish"}},
+        "additionalProperties": True}
+    done = {"type": "object", "required": ["success", "model", "pids"], "properties": {
+        "success": {"type": "boolean"}, "model": {"type": "string"},
+        "pids": {"type": "array", "items": {"type": "integer"}}}}
+    row = {"type": "object", "required": ["id", "status", "pids", "resident_bytes"],
+           "properties": {"id": {"type": "string"}, "object": {"type": "string"},
+                          "status": {"type": "object", "properties": {"value": {
+                              "enum": ["loaded", "loading", "unloading", "unloaded"]}}},
+                          "pids": {"type": "array", "items": {"type": "integer"}},
+                          "resident_bytes": {"type": "integer"},
+                          "data_parallel_size": {"type": ["integer", "null"]}}}
+    listing = {"type": "object", "properties": {"object": {"const": "list"},
+                                                "data": {"type": "array", "items": row}}}
+
+    def post(operation_id: str, what: str, *codes: int) -> dict[str, Any]:
+        return {"post": {"operationId": operation_id, "security": keyed,
+                         "requestBody": {"required": True, "content": {
+                             "application/json": {"schema": body}}},
+                         "responses": {"200": answer(done, what), **errors(*codes)}}}
+
+    return {
+        "/models": {"get": {"operationId": "listModelStates", "security": keyed,
+                            "responses": {"200": answer(listing, "each model's state, engine "
+                                                        "PIDs and resident memory"),
+                                          **errors(401, 403)}}},
+        "/models/load": post("loadModel", "its engines are ready and it is served",
+                             400, 401, 403, 404, 409, 413, 503),
+        "/models/unload": post("unloadModel", "its requests ended and its engines exited",
+                               400, 401, 403, 404, 413, 503),
+    }
+
+
+_ERRORS = {
+    400: "invalid options (the error names the field)",
+    401: "missing or wrong API key (only when the server has one)",
+    403: "model management is off (--enable-model-management)",
+    404: "no such model (unload), or a new model without `path` (load)",
+    409: "a model of that name is loaded, loading or unloading",
+    413: "request body too large",
+    503: "its engines did not start, or the server is draining",
+}
