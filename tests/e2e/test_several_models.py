@@ -21,6 +21,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import openai
+import pagedserve_client as ps
 import pytest
 from tiny_llama import build_tiny_llama
 
@@ -259,23 +260,24 @@ def test_unload_ends_in_flight_requests_and_frees_the_engine_then_reload(
     assert again.status_code == 409 and again.json()["error"]["code"] == "model_already_loaded"
 
 
-def test_load_a_new_model_with_engine_options(url: str, checkpoints: dict[str, Path],
-                                              references: dict[str, str]) -> None:
-    bad = httpx.post(f"{url}/models/load", headers=AUTH,
-                     json={"model": "gamma", "path": str(checkpoints["alpha"]),
-                           "max_model_len": "long"})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_model_len"
-    loaded = httpx.post(f"{url}/models/load", headers=AUTH, timeout=300,
-                        json={"model": "gamma", "path": str(checkpoints["alpha"]),
-                              "max_model_len": 256})
-    assert loaded.status_code == 200, loaded.text
-    client = _client(url)
-    cards = {m.id: m for m in client.models.list().data}
-    assert cards["gamma"].max_model_len == 256
-    assert _greedy(client, "gamma") == references["alpha"]  # alpha's weights, gamma's name
-    pids = loaded.json()["pids"]
-    unloaded = httpx.post(f"{url}/models/unload", headers=AUTH, json={"model": "gamma"},
-                          timeout=120)
-    assert unloaded.status_code == 200
-    assert not any(_alive(pid) for pid in pids)
-    assert "gamma" not in {m.id for m in client.models.list().data}
+def test_the_sdk_loads_a_new_model_with_engine_options(url: str, checkpoints: dict[str, Path],
+                                                       references: dict[str, str]) -> None:
+    with ps.Client(url, api_key=KEY, max_retries=0, timeout=300) as sdk:
+        with pytest.raises(ps.BadRequestError) as bad:
+            sdk.models.load("gamma", path=str(checkpoints["alpha"]), max_model_len="long")
+        assert bad.value.param == "max_model_len"
+        loaded = sdk.models.load("gamma", path=str(checkpoints["alpha"]), max_model_len=256)
+        assert loaded.success and loaded.model == "gamma" and len(loaded.pids) == 1
+        cards = {m.id: m for m in sdk.models.list().data}
+        assert cards["gamma"].max_model_len == 256
+        states = {s.id: s for s in sdk.models.states()}
+        assert states["gamma"].status.value == "loaded"
+        assert states["gamma"].pids == loaded.pids and states["gamma"].resident_bytes > 0
+        assert _greedy(_client(url), "gamma") == references["alpha"]  # alpha's weights
+        unloaded = sdk.models.unload("gamma")
+        assert unloaded.pids == loaded.pids
+        assert not any(_alive(pid) for pid in loaded.pids)
+        assert "gamma" not in {m.id for m in sdk.models.list().data}
+        assert {s.id: s for s in sdk.models.states()}["gamma"].status.value == "unloaded"
+        with pytest.raises(ps.NotFoundError):
+            sdk.models.unload("gamma")
