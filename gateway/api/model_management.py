@@ -196,10 +196,11 @@ def openapi_paths(error: dict[str, Any]) -> dict[str, Any]:
     listing = {"type": "object", "properties": {"object": {"const": "list"},
                                                 "data": {"type": "array", "items": row}}}
 
-    def post(operation_id: str, what: str, *codes: int) -> dict[str, Any]:
+    def post(operation_id: str, what: str, examples: dict[str, Any],
+             *codes: int) -> dict[str, Any]:
         return {"post": {"operationId": operation_id, "security": keyed,
                          "requestBody": {"required": True, "content": {
-                             "application/json": {"schema": body}}},
+                             "application/json": {"schema": body, "examples": examples}}},
                          "responses": {"200": answer(done, what), **errors(*codes)}}}
 
     return {
@@ -207,10 +208,17 @@ def openapi_paths(error: dict[str, Any]) -> dict[str, Any]:
                             "responses": {"200": answer(listing, "each model's state, engine "
                                                         "PIDs and resident memory"),
                                           **errors(401, 403)}}},
-        "/models/load": post("loadModel", "its engines are ready and it is served",
-                             400, 401, 403, 404, 409, 413, 503),
-        "/models/unload": post("unloadModel", "its requests ended and its engines exited",
-                               400, 401, 403, 404, 413, 503),
+        "/models/load": post("loadModel", "its engines are ready and it is served", {
+            "again": {"summary": "a model named at start, after an unload",
+                      "value": {"model": "small"}},
+            "new": {"summary": "a new model with its engine options", "value": {
+                "model": "tiny", "path": "/models/tiny", "max_model_len": 2048}}},
+            400, 401, 403, 404, 409, 413, 503),
+        "/models/unload": post("unloadModel", "its requests ended and its engines exited", {
+            "now": {"value": {"model": "small"}},
+            "drain": {"summary": "its requests may finish for 5 s",
+                      "value": {"model": "small", "timeout": 5}}},
+            400, 401, 403, 404, 413, 503),
     }
 
 
