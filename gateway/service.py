@@ -142,7 +142,13 @@ class Gateway:
         return self._tokenizers[path]
 
     def namer(self, model: str | None = None) -> TokenNamer:
-        return TokenNamer(self.for_model(model).tokenizer())
+        """Names tokens as `model`'s tokenizer writes them (several models)."""
+        try:
+            return TokenNamer(self.for_model(model).tokenizer())
+        except ApiError:
+            # NOTE: unloaded since its request started (its stream ends with an abort): the
+            # stream must still write its terminal event, so no error is raised mid-stream
+            return TokenNamer(self.tokenizer())
 
     def begin_drain(self) -> None:
         self.draining = True
