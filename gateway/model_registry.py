@@ -64,6 +64,7 @@ class ModelRegistry:
         self.known: dict[str, ModelSpec] = {s.name: s for s in specs}  # for a reload by name
         self.aliases: dict[str, str] = {}
         self.busy: dict[str, str] = {}  # name -> "loading" | "unloading"
+        self._starting: dict[str, ServedModel] = {}  # loading: closed too if the server stops
         self._closing = False
 
     # ---- lookup -------------------------------------------------------------------------
@@ -99,15 +100,19 @@ class ModelRegistry:
             raise EngineUnavailableError("the server is shutting down")
         if spec.name in self.models or spec.name in self.busy or spec.name in self.aliases:
             raise ValueError(f"a model named `{spec.name}` is loaded already (or loading)")
+        served = ServedModel(spec, self._factory(spec))
         self.busy[spec.name] = "loading"
+        self._starting[spec.name] = served
         try:
-            served = ServedModel(spec, self._factory(spec))
             await served.engines.start()
-            self.models[spec.name] = served
-            self.known[spec.name] = spec
-            return served
         finally:
-            del self.busy[spec.name]
+            del self.busy[spec.name], self._starting[spec.name]
+        if self._closing:  # NOTE: the server began to stop while its engines started
+            await served.engines.close(timeout=0)
+            raise EngineUnavailableError("the server is shutting down")
+        self.models[spec.name] = served
+        self.known[spec.name] = spec
+        return served
 
     async def unload(self, name: str, timeout: float = 0.0) -> ServedModel:
         """Stop routing to `name` at once, give its requests `timeout` s to finish, abort the
@@ -188,7 +193,8 @@ class ModelRegistry:
 
     async def close(self, timeout: float = 10.0) -> None:
         self._closing = True
-        await asyncio.gather(*(m.engines.close(timeout) for m in self.models.values()))
+        serving = [*self.models.values(), *self._starting.values()]
+        await asyncio.gather(*(m.engines.close(timeout) for m in serving))
 
 
 def _rss(pid: int) -> int:
