@@ -17,6 +17,7 @@ from typing import Protocol
 
 from ipc import exit_codes
 from ipc.config import EngineConfig
+from ipc.engine_timeouts import EngineTimeouts
 from ipc.messages import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -68,7 +69,7 @@ class Core(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class LoopOptions:
-    heartbeat_interval: float = 1.0
+    heartbeat_interval: float = EngineTimeouts.heartbeat_interval
     shutdown_timeout: float = 30.0  # grace period on SIGTERM
     parent_pid: int | None = None  # shut down if this process stops being our parent
     # NOTE: test-only hook (env PAGEDSERVE_DEBUG_HANG_AFTER_STEPS): after this many steps the

@@ -22,6 +22,7 @@ from starlette.staticfiles import StaticFiles
 
 from gateway.api.anthropic_errors import anthropic_error_response, is_messages_path
 from gateway.api.anthropic_messages import messages_routes
+from gateway.api.model_management import model_cards, model_routes
 from gateway.api.openai_responses import ResponsesRoutes
 from gateway.auth import ApiKeyMiddleware
 from gateway.body import read_body
@@ -70,6 +71,8 @@ class Handlers:
                                     lambda: len(gateway.generations))
 
     def _cards(self) -> list[ModelCard]:
+        if self.gw.models is not None:
+            return model_cards(self.gw.models)
         gw, info = self.gw, self.gw.client.info
         if gw.model_name is None:
             return []
@@ -94,6 +97,7 @@ class Handlers:
             body = await read_body(request, gw.settings.max_body_bytes, gw.settings.body_timeout)
             chat = b'"messages"' in body  # NOTE: the two shapes share no tag field
             parsed = decode_body(body, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+            gw = gw.for_model(parsed.model)  # NOTE: several models: that model's tokenizer
             gw.require_ready()
             gw.check_model(parsed.model)
             if isinstance(parsed, TokenizeChatRequest):
@@ -111,6 +115,7 @@ class Handlers:
         try:
             body = await read_body(request, gw.settings.max_body_bytes, gw.settings.body_timeout)
             parsed = decode_body(body, DetokenizeRequest)
+            gw = gw.for_model(parsed.model)  # NOTE: several models: that model's tokenizer
             gw.require_ready()
             gw.check_model(parsed.model)
             tok = gw.tokenizer()
@@ -176,7 +181,7 @@ class Handlers:
     async def _sse(self, gens: list[Generation],
                    pieces: AsyncIterator[tuple[int, Piece | None]],
                    first: list[tuple[int, Piece | None]]) -> AsyncIterator[bytes]:
-        namer = self.gw.namer()
+        namer = self.gw.namer(gens[0].job.model)
         builders = [ChunkBuilder(g, namer, timeline=len(gens) == 1) for g in gens]
         try:
             async for k, piece in prepend(first, pieces):
@@ -197,7 +202,7 @@ class Handlers:
             await self._close(gens)
 
     async def _collect(self, gens: list[Generation], headers: dict[str, str]) -> Response:
-        namer = self.gw.namer()
+        namer = self.gw.namer(gens[0].job.model)
         accs = [Accumulator(g, namer) for g in gens]
         try:
             async for k, piece in merged(gens):
@@ -280,6 +285,7 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         *messages_routes(gw),
+        *model_routes(gw),
         Route("/v1/requests/{request_id}/cancel", h.cancel, methods=["POST"]),
         Route("/v1/streams/{stream_id}", streams.resume, methods=["GET"]),
         Route("/v1/streams/{stream_id}", streams.cancel, methods=["DELETE"]),

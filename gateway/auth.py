@@ -1,4 +1,4 @@
-"""API-key auth on /v1: `Authorization: Bearer <key>` or Anthropic's `x-api-key: <key>`,
+"""API-key auth on /v1 and /models: `Authorization: Bearer <key>` or Anthropic's `x-api-key: <key>`,
 compared in constant time (WebSockets check it in the session)."""
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api.anthropic_errors import anthropic_error_response, is_messages_path
 from gateway.errors import ApiError
+
+# NOTE: /models/ is the run-time model management (gateway/api/model_management.py)
+_GUARDED = ("/v1/", "/models")
 
 
 class ApiKeyMiddleware:
@@ -24,7 +27,7 @@ class ApiKeyMiddleware:
             self._key is None
             or scope["type"] != "http"
             or scope.get("method") == "OPTIONS"
-            or not scope["path"].startswith("/v1/")
+            or not scope["path"].startswith(_GUARDED)
             or bearer_ok(_header(scope, b"authorization"), self._key)
             or key_ok(_header(scope, b"x-api-key"), self._key)
         ):

@@ -16,12 +16,12 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import structlog
 import uvicorn
 
 from gateway.app import build_app
+from gateway.model_args import add_model_args, check_model_args, engines_for
 from gateway.read_timeouts import timed_protocol
 from gateway.reasoning import REASONING_PARSERS
 from gateway.resumable import StreamLimits
@@ -30,11 +30,8 @@ from gateway.tools.registry import PARSERS
 from gateway.tracing import traces_url
 from ipc import exit_codes
 from ipc.config import EngineConfig, add_engine_args, config_from_args
+from ipc.engine_timeouts import EngineTimeouts
 from ipc.sd_notify import Notifier
-
-if TYPE_CHECKING:
-    from gateway.engine_client import EngineClient
-    from gateway.engine_pool import EnginePool
 
 log = structlog.get_logger("pagedserve.serve")
 
@@ -46,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve", help="start the gateway and an engine process",
-        formatter_class=_DefaultsOnceFormatter,
+        formatter_class=_DefaultsOnceFormatter, conflict_handler="resolve",
     )
     group = serve.add_argument_group("gateway")
     _add_http_args(group)
@@ -54,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stream_args(serve)
     _add_engine_process_args(serve)
     add_engine_args(serve)
+    add_model_args(serve)  # NOTE: after the engine's: its repeatable --model replaces theirs
     commands.add_parser("engine", help="run one engine process (python -m engine ...)",
                         add_help=False)
     commands.add_parser("generate", help="generate offline (python -m engine.generate ...)",
@@ -171,11 +169,11 @@ def _add_engine_process_args(parser: argparse.ArgumentParser) -> None:
                        default=os.environ.get("PAGEDSERVE_ENGINE_OUTPUT"),
                        help="PULL address engines send outputs to (default: "
                             "$PAGEDSERVE_ENGINE_OUTPUT, else a fresh ipc:// socket)")
-    # NOTE: the engine heart-beats between steps only, and one long prefill step on a CPU can
-    # take several seconds: a tight timeout would kill healthy engines.
-    group.add_argument("--engine-heartbeat-timeout", type=float, default=30.0,
+    group.add_argument("--engine-heartbeat-timeout", type=float,
+                       default=EngineTimeouts.heartbeat_timeout,
                        help="seconds without a heartbeat before the engine is declared dead")
-    group.add_argument("--engine-startup-timeout", type=float, default=300.0,
+    group.add_argument("--engine-startup-timeout", type=float,
+                       default=EngineTimeouts.startup_timeout,
                        help="seconds the first engine may take to become ready")
     group.add_argument("--headless", action="store_true",
                        help="run only this node's tensor-parallel ranks (--node-rank 1 and "
@@ -189,6 +187,7 @@ def _add_engine_process_args(parser: argparse.ArgumentParser) -> None:
 
 def check_args(ns: argparse.Namespace) -> EngineConfig:
     """Validate what argparse cannot; returns the engine config (ValueError names the flag)."""
+    check_model_args(ns)  # NOTE: sets ns.model_specs, and ns.model back to one path
     if ns.max_queued_requests is not None and ns.max_queued_requests < 1:
         raise ValueError("--max-queued-requests must be >= 1")
     if ns.shutdown_timeout < 0:
@@ -272,6 +271,7 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
         tool_call_parser=ns.tool_call_parser,
         responses_store_mib=ns.responses_store_mib, responses_store_ttl=ns.responses_store_ttl,
         reasoning_parser=ns.reasoning_parser, resumable_streams=ns.resumable_streams,
+        model_management=ns.enable_model_management,
         stream_limits=StreamLimits(grace_period=ns.stream_grace_period,
                                    max_stream_bytes=ns.stream_buffer_bytes,
                                    max_event_age=ns.stream_buffer_age,
@@ -283,7 +283,7 @@ async def serve(ns: argparse.Namespace) -> int:
     """Serve until drained; returns the exit status (ipc.exit_codes)."""
     from gateway.engine_client import EngineUnavailableError
 
-    client = _engine_client(ns)
+    client = engines_for(ns)
     gateway = Gateway(client, settings_from_args(ns))
     notifier = Notifier()
     drainer = _Drainer(gateway, ns.shutdown_timeout, notifier)
@@ -325,22 +325,6 @@ async def serve(ns: argparse.Namespace) -> int:
     if status == exit_codes.OK and drainer.timed_out:
         status = exit_codes.DRAIN_TIMEOUT
     return status
-
-
-def _engine_client(ns: argparse.Namespace) -> EngineClient | EnginePool:
-    """One engine, or a pool of --data-parallel-size engines (spawned, or attached)."""
-    from gateway.engine_client import EngineClient
-    from gateway.engine_pool import EnginePool
-
-    if ns.data_parallel_size > 1:
-        return EnginePool(config_from_args(ns), size=ns.data_parallel_size,
-                          heartbeat_timeout=ns.engine_heartbeat_timeout,
-                          startup_timeout=ns.engine_startup_timeout, spawn=not ns.attach_engine,
-                          input_addr=ns.engine_input_addr, output_addr=ns.engine_output_addr)
-    return EngineClient(config_from_args(ns), heartbeat_timeout=ns.engine_heartbeat_timeout,
-                        startup_timeout=ns.engine_startup_timeout,
-                        spawn=not ns.attach_engine, input_addr=ns.engine_input_addr,
-                        output_addr=ns.engine_output_addr)
 
 
 def _uvicorn_config(ns: argparse.Namespace, gateway: Gateway) -> uvicorn.Config:

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import ipc
+from gateway.engine_sockets import EngineUnavailableError, SocketPump, ready_within
 from ipc.config import EngineConfig
+from ipc.engine_timeouts import EngineTimeouts
 from ipc.messages import (
     FINISH_ERROR,
     AbortRequests,
@@ -31,16 +33,12 @@ from ipc.messages import (
     StepOutputs,
     TokenDelta,
 )
-from ipc.transport import GatewaySockets, default_addresses
+from ipc.transport import GatewaySockets
 
 log = logging.getLogger("gateway.engine_client")
 
 _RESTART_DELAY_S = (0.5, 15.0)  # first and largest back-off between restarts
 _EXIT_GRACE_S = 0.2  # after a clean exit, time for its last outputs to arrive
-
-
-class EngineUnavailableError(Exception):
-    """No ready engine (starting, dead, restarting or shutting down): answer 503."""
 
 
 class RequestStream:
@@ -98,10 +96,12 @@ def _still_open(num_open: int, delta: TokenDelta) -> int:
 class EngineClient:
     """One engine behind ZeroMQ. `spawn=False` waits for an engine started elsewhere."""
 
-    def __init__(self, config: EngineConfig, *, heartbeat_timeout: float = 5.0,
+    def __init__(self, config: EngineConfig, *,
+                 heartbeat_timeout: float = EngineTimeouts.heartbeat_timeout,
                  restart: bool = True, input_addr: str | None = None,
                  output_addr: str | None = None, spawn: bool = True,
-                 startup_timeout: float = 300.0, heartbeat_interval: float = 1.0,
+                 startup_timeout: float = EngineTimeouts.startup_timeout,
+                 heartbeat_interval: float = EngineTimeouts.heartbeat_interval,
                  engine_command: Sequence[str] | None = None,
                  sockets: GatewaySockets | None = None) -> None:
         """`engine_command` is the argv prefix that starts an engine (default: python -m
@@ -123,6 +123,7 @@ class EngineClient:
         self._ready = asyncio.Event()
         self._sockets: GatewaySockets | None = sockets
         self._shared = sockets is not None
+        self._pump: SocketPump | None = None  # its own sockets (not shared)
         self._proc: asyncio.subprocess.Process | None = None
         self._incarnation: str | None = None
         self._identity: bytes | None = None
@@ -170,23 +171,14 @@ class EngineClient:
         """Bind, spawn the engine and wait for its EngineReady (EngineUnavailableError if it
         dies or takes longer than startup_timeout first)."""
         if not self._shared:
-            defaults = default_addresses()
-            self._sockets = GatewaySockets(self._addrs[0] or defaults[0],
-                                           self._addrs[1] or defaults[1])
-            self._spawn_task(self._handshake_loop())
-            self._spawn_task(self._output_loop())
+            self._pump = SocketPump(*self._addrs, self.on_handshake, self.on_output)
+            self._sockets = self._pump.open()
         self._first_ready = asyncio.get_running_loop().create_future()
         self._spawn_task(self._watchdog())
         if self.spawn:
             await self._launch()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._first_ready), self.startup_timeout)
-        except (TimeoutError, EngineUnavailableError) as exc:
-            await self.close(timeout=0)
-            if isinstance(exc, TimeoutError):
-                raise EngineUnavailableError(
-                    f"engine not ready within {self.startup_timeout:g} s") from None
-            raise
+        await ready_within(asyncio.shield(self._first_ready), self.startup_timeout,
+                           "engine not ready", lambda: self.close(timeout=0))
 
     async def close(self, timeout: float = 10.0) -> None:
         """Shutdown(timeout) to the engine, wait for it, then kill its process group."""
@@ -219,8 +211,8 @@ class EngineClient:
         if self._proc is not None and self._proc is not proc:  # NOTE: a restart raced us
             _killpg(self._proc, signal.SIGKILL)
             await self._proc.wait()
-        if self._sockets is not None and not self._shared:
-            self._sockets.close()
+        if self._pump is not None:
+            await self._pump.close()
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -270,11 +262,6 @@ class EngineClient:
 
     # ---- engine -> gateway --------------------------------------------------------------
 
-    async def _handshake_loop(self) -> None:
-        assert self._sockets is not None
-        while True:
-            self.on_handshake(*await self._sockets.recv_handshake())
-
     def on_handshake(self, identity: bytes, ready: EngineReady) -> bool:
         """Adopt this engine if it is the one we wait for; True when adopted."""
         # NOTE: engines repeat EngineReady about once a second; only a new one counts.
@@ -314,11 +301,6 @@ class EngineClient:
         log.info("engine %s ready: %s", ready.incarnation, ready.model)
         if self._first_ready is not None and not self._first_ready.done():
             self._first_ready.set_result(None)
-
-    async def _output_loop(self) -> None:
-        assert self._sockets is not None
-        while True:
-            self.on_output(await self._sockets.recv_output())
 
     def on_output(self, msg: FromEngine) -> None:
         if msg.incarnation != self._incarnation or msg.incarnation in self._dead:

@@ -9,16 +9,18 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import msgspec
 
 from gateway.engine_client import EngineClient, EngineUnavailableError, RequestStream
+from gateway.engine_sockets import SocketPump, ready_within
 from ipc.config import EngineConfig
+from ipc.engine_timeouts import EngineTimeouts
 from ipc.messages import AddRequest, EngineReady, EngineStats, FromEngine, Heartbeat
 from ipc.prefix_hash import DIGEST_BYTES, prompt_block_hashes, unpack_digest
-from ipc.transport import GatewaySockets, default_addresses
+from ipc.transport import GatewaySockets
 
 log = logging.getLogger("gateway.engine_pool")
 
@@ -63,8 +65,9 @@ class EnginePool:
 
     def __init__(self, config: EngineConfig, *, size: int, spawn: bool = True,
                  input_addr: str | None = None, output_addr: str | None = None,
-                 heartbeat_timeout: float = 5.0, heartbeat_interval: float = 1.0,
-                 startup_timeout: float = 300.0, restart: bool = True,
+                 heartbeat_timeout: float = EngineTimeouts.heartbeat_timeout,
+                 heartbeat_interval: float = EngineTimeouts.heartbeat_interval,
+                 startup_timeout: float = EngineTimeouts.startup_timeout, restart: bool = True,
                  engine_command: Sequence[str] | None = None,
                  min_prefix_ratio: float = 0.5, max_imbalance: int = 4) -> None:
         if size < 1:
@@ -74,15 +77,14 @@ class EnginePool:
         self.spawn = spawn
         self.min_prefix_ratio = min_prefix_ratio
         self.max_imbalance = max_imbalance
-        self._addrs = (input_addr, output_addr)
         self._client_opts = dict(heartbeat_timeout=heartbeat_timeout,
                                  heartbeat_interval=heartbeat_interval,
                                  startup_timeout=startup_timeout, restart=restart,
                                  engine_command=engine_command)
         self.startup_timeout = startup_timeout
         self.members: list[_Member] = []
+        self._pump = SocketPump(input_addr, output_addr, self._on_handshake, self._on_output)
         self._sockets: GatewaySockets | None = None
-        self._tasks: list[asyncio.Task[None]] = []
         self._first_ready = asyncio.Event()
         self._closing = False
 
@@ -110,7 +112,7 @@ class EnginePool:
         all_stats = [m.client.stats for m in self.members if m.client.ready and m.client.stats]
         if not all_stats:
             return None
-        return EngineStats(**{n: _add_up([getattr(s, n) for s in all_stats])
+        return EngineStats(**{n: add_up([getattr(s, n) for s in all_stats])
                               for n in EngineStats.__struct_fields__})
 
     @property
@@ -161,24 +163,15 @@ class EnginePool:
 
     async def start(self) -> None:
         """Bind; spawn `size` engines and wait for all, or (attach) wait for the first."""
-        defaults = default_addresses()
-        self._sockets = GatewaySockets(self._addrs[0] or defaults[0],
-                                       self._addrs[1] or defaults[1])
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._handshake_loop()),
-                       loop.create_task(self._output_loop())]
-        try:
-            if self.spawn:
-                self.members = [_Member(self._new_client(spawn=True)) for _ in range(self.size)]
-                await asyncio.gather(*(m.client.start() for m in self.members))
-            else:
-                await asyncio.wait_for(self._first_ready.wait(), self.startup_timeout)
-        except (TimeoutError, EngineUnavailableError) as exc:
-            await self.close(timeout=0)
-            if isinstance(exc, TimeoutError):
-                raise EngineUnavailableError(
-                    f"no engine attached within {self.startup_timeout:g} s") from None
-            raise
+        self._sockets = self._pump.open()
+        if self.spawn:
+            self.members = [_Member(self._new_client(spawn=True)) for _ in range(self.size)]
+            # NOTE: each spawned client times its own start
+            ready: Awaitable[Any] = asyncio.gather(*(m.client.start() for m in self.members))
+        else:
+            ready = self._first_ready.wait()
+        await ready_within(ready, None if self.spawn else self.startup_timeout,
+                           "no engine attached", lambda: self.close(timeout=0))
 
     async def close(self, timeout: float = 10.0) -> None:
         if self._closing:
@@ -187,11 +180,7 @@ class EnginePool:
         log.info("closing %d engines; requests routed to each: %s", len(self.members),
                  {m.client.incarnation: m.routed for m in self.members})
         await asyncio.gather(*(m.client.close(timeout) for m in self.members))
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._sockets is not None:
-            self._sockets.close()
+        await self._pump.close()
 
     # ---- routing ------------------------------------------------------------------------
 
@@ -222,22 +211,19 @@ class EnginePool:
         return EngineClient(self.config, spawn=spawn, sockets=self._sockets,
                             **self._client_opts)  # type: ignore[arg-type]
 
-    async def _handshake_loop(self) -> None:
-        assert self._sockets is not None
-        while True:
-            identity, ready = await self._sockets.recv_handshake()
-            if not self.spawn:
-                # NOTE: a dead attached engine's slot goes: its requests have failed already,
-                # and one that comes back (a restart, or a lapse that ended) is adopted anew.
-                self.members = [m for m in self.members if not m.client.dead]
-            owner = next((m for m in self.members
-                          if m.client.incarnation == ready.incarnation), None)
-            if owner is not None:
-                owner.client.on_handshake(identity, ready)
-            elif not self.spawn and not self._closing:
-                self._adopt(identity, ready)
-            if self.ready:
-                self._first_ready.set()
+    def _on_handshake(self, identity: bytes, ready: EngineReady) -> None:
+        if not self.spawn:
+            # NOTE: a dead attached engine's slot goes: its requests have failed already,
+            # and one that comes back (a restart, or a lapse that ended) is adopted anew.
+            self.members = [m for m in self.members if not m.client.dead]
+        owner = next((m for m in self.members
+                      if m.client.incarnation == ready.incarnation), None)
+        if owner is not None:
+            owner.client.on_handshake(identity, ready)
+        elif not self.spawn and not self._closing:
+            self._adopt(identity, ready)
+        if self.ready:
+            self._first_ready.set()
 
     def _adopt(self, identity: bytes, ready: EngineReady) -> None:
         client = self._new_client(spawn=False)
@@ -245,18 +231,15 @@ class EnginePool:
         self.members.append(_Member(client))
         log.info("engine %s attached (%d engines)", ready.incarnation, len(self.members))
 
-    async def _output_loop(self) -> None:
-        assert self._sockets is not None
-        while True:
-            msg = await self._sockets.recv_output()
-            for m in self.members:
-                if m.client.incarnation == msg.incarnation:
-                    _note_cache(m, msg)
-                    m.client.on_output(msg)
-                    break
+    def _on_output(self, msg: FromEngine) -> None:
+        for m in self.members:
+            if m.client.incarnation == msg.incarnation:
+                _note_cache(m, msg)
+                m.client.on_output(msg)
+                break
 
 
-def _add_up(values: list[Any]) -> Any:
+def add_up(values: list[Any]) -> Any:
     """Sum counters; lists (per-position counters) add element-wise."""
     if isinstance(values[0], list):
         return [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)]

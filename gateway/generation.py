@@ -224,7 +224,8 @@ class Generation:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.scheduled_time is not None:
             self.scheduled_time = delta.scheduled_time
-            self._metrics.queue_time.observe(max(0.0, delta.scheduled_time - self.job.arrival))
+            self._metrics.queue_time.observe(max(0.0, delta.scheduled_time - self.job.arrival),
+                                            self.job.model)
         if delta.metrics is not None:
             self.engine_metrics = delta.metrics
         if ids:
@@ -270,9 +271,9 @@ class Generation:
         m = self._metrics
         if self.first_token_time is None:
             self.first_token_time = time.time()
-            m.ttft.observe(self.first_token_time - self.job.arrival)
+            m.ttft.observe(self.first_token_time - self.job.arrival, self.job.model)
         elif self._last is not None:
-            m.itl.observe((now - self._last) / n)
+            m.itl.observe((now - self._last) / n, self.job.model)
         self._last = now
         self.completion_tokens += n
         m.generation_tokens.inc(n)
@@ -285,8 +286,8 @@ class Generation:
             self.finished_time = time.time()
         e2e = self.finished_time - self.job.arrival
         reason = self.finish_reason or FINISH_ABORT
-        self._metrics.e2e.observe(e2e)
-        self._metrics.finished(reason)
+        self._metrics.e2e.observe(e2e, self.job.model)
+        self._metrics.finished(reason, self.job.model)
         fields: dict[str, Any] = dict(
             request_id=self.job.request_id, kind=self.job.kind, model=self.job.model,
             finish_reason=reason, e2e_s=round(e2e, 4),

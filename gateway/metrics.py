@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from ipc.messages import GRAMMAR_COMPILE_BUCKETS, EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PerModel = Callable[[], list[tuple[str, EngineStats | None]]]
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
 
@@ -82,9 +83,10 @@ class _EngineCollector(Collector):
     """Gauges and engine counters come straight from the latest EngineStats."""
 
     def __init__(self, stats: Callable[[], EngineStats | None],
-                 model: Callable[[], str | None]) -> None:
+                 model: Callable[[], str | None], per_model: PerModel | None = None) -> None:
         self._stats = stats
         self._model = model
+        self._per_model = per_model or (lambda: [(model() or "", stats())])
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self._stats() or EngineStats()
@@ -107,14 +109,18 @@ class _EngineCollector(Collector):
         yield from self._vllm(s)
 
     def _vllm(self, s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        model = [self._model() or ""]
+        # NOTE: one series per served model, from that model's engines (several models)
+        models = [(name, m or EngineStats()) for name, m in self._per_model()]
         for family, name, help_text, field in _VLLM_ENGINE_METRICS:
             metric = family(name, help_text, labels=["model_name"])
-            metric.add_metric(model, getattr(s, field))
+            for model, ms in models:
+                metric.add_metric([model], getattr(ms, field))
             yield metric
         usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
                                   "KV-cache usage: 1 means 100 percent", labels=["model_name"])
-        usage.add_metric(model, _ratio(s.kv_blocks_total - s.kv_blocks_free, s.kv_blocks_total))
+        for model, ms in models:
+            usage.add_metric([model], _ratio(ms.kv_blocks_total - ms.kv_blocks_free,
+                                             ms.kv_blocks_total))
         yield usage
         yield _grammar_histogram(s)
 
@@ -179,11 +185,12 @@ class _Histograms:
         self._model = model
         self._child: tuple[str, Histogram] | None = None  # (model name, its labelled series)
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, model: str | None = None) -> None:
+        """`model`: the request's model (several models); default: the served one."""
         self.ours.observe(value)
         # NOTE: the labelled series kept while the model name holds: `labels()` takes a lock
         # and a dict lookup per call, and the inter-token histogram is observed per token
-        name = self._model() or ""
+        name = model or self._model() or ""
         if self._child is None or self._child[0] != name:
             self._child = (name, self.vllm.labels(model_name=name))
         self._child[1].observe(value)
@@ -196,7 +203,9 @@ class Metrics:
     """One registry per app, so tests can build several apps in one process."""
 
     def __init__(self, stats: Callable[[], EngineStats | None],
-                 model: Callable[[], str | None] = lambda: None) -> None:
+                 model: Callable[[], str | None] = lambda: None,
+                 per_model: PerModel | None = None) -> None:
+        """`per_model`: (model name, its stats) of each served model, when there are several."""
         self.registry = CollectorRegistry()
         r = self.registry
         self._model = model
@@ -225,17 +234,17 @@ class Metrics:
         self.requests = Counter(
             "pagedserve_requests", "Finished requests", ["finish_reason"], registry=r
         )
-        r.register(_EngineCollector(stats, model))
+        r.register(_EngineCollector(stats, model, per_model))
 
     def watch_streams(self, registry: object) -> None:
         """Export the resumable-stream gauges and counters of a gateway.resumable registry."""
         self.registry.register(_StreamCollector(registry))
 
-    def finished(self, reason: str) -> None:
-        """Count a finished request (by its finish reason)."""
+    def finished(self, reason: str, model: str | None = None) -> None:
+        """Count a finished request (by its finish reason, and model)."""
         self.requests.labels(finish_reason=reason).inc()
         if reason in _VLLM_SUCCESS:
-            self.vllm_success.labels(model_name=self._model() or "",
+            self.vllm_success.labels(model_name=model or self._model() or "",
                                      finished_reason=reason).inc()
 
     def render(self) -> bytes:

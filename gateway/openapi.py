@@ -19,6 +19,7 @@ from gateway.api.anthropic_types import (
     StreamEvent,
     TokenCount,
 )
+from gateway.api.model_management import openapi_paths as model_paths
 from gateway.api.responses_types import (
     DeletedResponse,
     ResponseEvent,
@@ -425,7 +426,7 @@ def openapi_document() -> dict[str, Any]:
     refs = {t.__name__: ref for t, ref in zip(types, refs_list, strict=True)}
     _mark_sent_fields_required(components)
     paths = {**_model_paths(refs), **_generation_paths(refs), **_ops_paths(refs),
-             **_messages(refs, components)}
+             **_messages(refs, components), **model_paths(refs["ErrorEnvelope"])}
     return {
         "openapi": "3.1.0",
         "info": {"title": "pagedserve", "version": package_version(),

@@ -6,6 +6,7 @@ HTTP handlers and WebSocket sessions both turn requests into `Generation`s throu
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import uuid
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from gateway.chunks import TokenNamer
 from gateway.errors import ApiError, unavailable
 from gateway.generation import EngineClientLike, Generation, Job
 from gateway.metrics import Metrics
+from gateway.model_registry import ModelRegistry, UnknownModelError
 from gateway.prompt_text import prompt_text_sizes
 from gateway.reasoning import REASONING_PARSERS
 from gateway.reasoning.think import ThinkParser
@@ -65,6 +67,7 @@ class GatewaySettings:
     reasoning_parser: str | None = None
     resumable_streams: bool = False  # streams resumable unless a request says `resumable: false`
     stream_limits: StreamLimits = field(default_factory=StreamLimits)  # grace period, bounds
+    model_management: bool = False  # POST /models/load and /models/unload allowed
 
     def __post_init__(self) -> None:
         interval = self.sse_keepalive_interval
@@ -93,7 +96,12 @@ class Gateway:
     draining: bool = False
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(lambda: self.client.stats, lambda: self.model_name)
+        # NOTE: several models: `for_model` gives each request a view of its model's engines
+        self.models = self.client if isinstance(self.client, ModelRegistry) else None
+        self._root = self  # the gateway a view was made from (its drain flag is the one)
+        self._served_as: str | None = None  # a view's requested name (a model's or an alias)
+        self.metrics = Metrics(lambda: self.client.stats, lambda: self.model_name,
+                               self.models.model_stats if self.models else None)
         self.generations: dict[str, Generation] = {}
         self.streams = StreamRegistry(self.settings.stream_limits)
         self.metrics.watch_streams(self.streams)
@@ -111,7 +119,8 @@ class Gateway:
 
     @property
     def ready(self) -> bool:
-        return bool(self.client.ready) and self.client.info is not None and not self.draining
+        return (bool(self.client.ready) and self.client.info is not None
+                and not self._root.draining)
 
     @property
     def model_name(self) -> str | None:
@@ -119,7 +128,7 @@ class Gateway:
         return info.model if info is not None else None
 
     def require_ready(self) -> None:
-        if self.draining:
+        if self._root.draining:
             raise unavailable("the server is shutting down", "server_draining",
                               self.settings.drain_retry_after)
         if not self.ready:
@@ -134,8 +143,14 @@ class Gateway:
             self._tokenizers[path] = Tokenizer(path, self.settings.chat_template)
         return self._tokenizers[path]
 
-    def namer(self) -> TokenNamer:
-        return TokenNamer(self.tokenizer())
+    def namer(self, model: str | None = None) -> TokenNamer:
+        """Names tokens as `model`'s tokenizer writes them (several models)."""
+        try:
+            return TokenNamer(self.for_model(model).tokenizer())
+        except ApiError:
+            # NOTE: unloaded since its request started (its stream ends with an abort): the
+            # stream must still write its terminal event, so no error is raised mid-stream
+            return TokenNamer(self.tokenizer())
 
     def limits(self) -> Limits:
         """The engine's context and logprobs cap (from its handshake: one limit, not two) and
@@ -153,9 +168,25 @@ class Gateway:
 
     def check_model(self, model: str | None) -> str:
         served = self.model_name or ""
-        if model not in (None, "", served):
+        if model not in (None, "", served, self._served_as):
             raise ApiError(404, f"the model `{model}` does not exist", "model_not_found", "model")
-        return served
+        return self._served_as or served
+
+    def for_model(self, model: str | None) -> Gateway:
+        """The gateway as the model (or adapter) named `model` sees it: that model's engines,
+        tokenizer and context, with the shared admission, generations, streams and metrics.
+        One model (or a view already): itself. An unknown name: 404 model_not_found."""
+        if self.models is None or self._root is not self:
+            return self
+        try:
+            served = self.models.resolve(model)
+        except UnknownModelError:
+            raise ApiError(404, f"the model `{model}` does not exist", "model_not_found",
+                           "model") from None
+        view = copy.copy(self)
+        view.client = served.engines
+        view._served_as = model or served.name
+        return view
 
     async def prepare_all(self, request: AnyRequest) -> list[Job]:
         """One Job per prompt: several for a completions request with a list of prompts
@@ -173,6 +204,9 @@ class Gateway:
     async def prepare(self, request: AnyRequest, prompt_index: int = 0,
                       request_id: str | None = None) -> Job:
         """Validate against the engine, tokenize, and build the Job (raises ApiError)."""
+        view = self.for_model(request.model)
+        if view is not self:
+            return await view.prepare(request, prompt_index, request_id)
         self.require_ready()
         model = self.check_model(request.model)
         syntax = self.call_syntax()
@@ -256,6 +290,9 @@ class Gateway:
 
     def start(self, job: Job) -> Generation:
         """Admit a Job: overload and engine-down become 503 with Retry-After."""
+        view = self.for_model(job.model)
+        if view is not self:
+            return view.start(job)
         self.require_ready()
         limit = self.settings.max_queued_requests
         if limit is not None and self.num_waiting >= limit:

@@ -354,7 +354,7 @@ class Session:
     # ---- generations --------------------------------------------------------------------
 
     async def _run(self, gen_id: str, gen: Generation) -> None:
-        builder = ChunkBuilder(gen, self.gw.namer())
+        builder = ChunkBuilder(gen, self.gw.namer(gen.job.model))
         error: ApiError | None = None
         try:
             async for piece in gen:

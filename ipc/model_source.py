@@ -64,17 +64,31 @@ def packaged_gguf(name: str) -> Path:
     return module.assemble(root / name / module.MODEL_NAME)
 
 
+def model_name(model: str | None, served_name: str | None = None) -> str:
+    """The name the API reports for `--model` (without touching its files): the served name,
+    else the bundled model's, the package's, the .gguf file's stem or the directory's name."""
+    if served_name:
+        return served_name
+    if model is None:
+        return BUNDLED_NAME
+    if model in PACKAGED:
+        return model
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def resolve_model(model: str | None, served_name: str | None = None) -> ModelSource:
     """Turn `--model` into files on disk; no network is ever used."""
+    name = model_name(model, served_name)
     if model is None:
-        return ModelSource(bundled_gguf(), served_name or BUNDLED_NAME)
+        return ModelSource(bundled_gguf(), name)
     if model in PACKAGED:
-        return ModelSource(packaged_gguf(model), served_name or model)
+        return ModelSource(packaged_gguf(model), name)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(path, served_name or path.stem)
+        return ModelSource(path, name)
     if path.is_dir() and (path / "config.json").is_file():
-        return ModelSource(path, served_name or path.name)
+        return ModelSource(path, name)
     raise FileNotFoundError(
         f"model {model!r} is neither a .gguf file nor a directory with config.json "
         "(models are loaded from local files only)"

@@ -66,6 +66,7 @@ class MessagesApi:
         try:
             body = await read_body(request, gw.settings.max_body_bytes, gw.settings.body_timeout)
             chat = to_chat(decode_messages(body, CountTokensRequest))
+            gw = gw.for_model(chat.model)  # NOTE: several models: that model's tokenizer
             gw.require_ready()
             gw.check_model(chat.model)
             structured_for(chat, gw.call_syntax())  # NOTE: refuses what the request would

@@ -360,10 +360,19 @@ function setConnection(text, state) {
   $('connection').className = `pill ${state}`;
 }
 
+/** A model's entry in the picker; an adapter (a card with a `parent`) says whose it is. */
+function modelOption(m) {
+  return new Option(m.parent ? `${m.id} (adapter of ${m.parent})` : m.id, m.id);
+}
+
 async function loadModels() {
   try {
     const models = await client.models.list();
-    $('model').replaceChildren(...models.data.map((m) => new Option(m.id, m.id)));
+    const picked = $('model').value;
+    const options = models.data.map(modelOption);
+    $('model').replaceChildren(...options);
+    // NOTE: a reload of the list (reconnect) keeps the model picked, while it is served
+    if (options.some((o) => o.value === picked)) $('model').value = picked;
     setConnection('connected', 'ok');
     $('error').hidden = true;
     if (!store.current?.messages.length) renderTranscript();

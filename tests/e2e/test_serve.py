@@ -207,8 +207,11 @@ def _model(url: str) -> str:
 
 
 def _engine_pid(url: str) -> int:
+    # NOTE: -ww: without it ps cuts lines at $COLUMNS (pytest sets it), and a long checkout
+    # path pushed `--port N` out of the gateway's line
     port = url.rsplit(":", 1)[1]
-    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,args"], capture_output=True,
+                         text=True).stdout
     gateway = [line.split()[0] for line in out.splitlines() if "gateway.cli" in line
                and f"--port {port}" in line]
     engines = [int(line.split()[0]) for line in out.splitlines()

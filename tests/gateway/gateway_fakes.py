@@ -66,6 +66,7 @@ class FakeEngine:
         self.interval = interval
         self.first_delay = 0.0
         self.ready = True
+        self.pid: int | None = None  # no engine process
         self.info: EngineReady | None = EngineReady(
             model="test-model", max_model_len=max_model_len, block_size=16, num_gpu_blocks=64,
             tokenizer=str(tokenizer_dir), incarnation="fake-1", max_num_seqs=max_num_seqs,
@@ -106,6 +107,16 @@ class FakeEngine:
 
     def abort_choice(self, request_id: str, index: int) -> None:
         self.aborted_choices.append((request_id, index))
+
+    async def start(self) -> None:
+        """Ready at once (a model loaded into a ModelRegistry)."""
+        self.ready = True
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Unloaded: every running request is aborted, and it is not ready."""
+        for request_id in list(self._tasks):
+            self.abort(request_id)
+        self.ready = False
 
     def kill(self) -> None:
         """The engine dies: every stream gets an error delta, and it is not ready."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,11 +22,15 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from starlette.applications import Starlette
 from starlette.routing import Route
 
 from gateway.app import build_app
+from gateway.model_registry import ModelRegistry
+from gateway.model_specs import spec_of
 from gateway.openapi import openapi_document
 from gateway.service import GatewaySettings
+from ipc.config import EngineConfig
 
 pytestmark = pytest.mark.timeout(120)
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
@@ -115,10 +120,21 @@ def _fuzz(url: str, label: str, stored: str | None = None) -> Counter[str]:
     return seen
 
 
+def _models_app(fake_engine: FakeEngine, tokenizer_dir: Path) -> Starlette:
+    """A gateway serving `small` (the example the model routes name) from several models'
+    registry, with run-time management on: new models load as fake engines."""
+    spec = spec_of("small", {"path": "/models/small"}, EngineConfig())
+    registry = ModelRegistry([spec], lambda s: fake_engine if s is spec
+                             else FakeEngine(tokenizer_dir))  # type: ignore[arg-type,return-value]
+    return build_app(registry, GatewaySettings(model_management=True))
+
+
 @pytest.mark.parametrize("label", FUZZED)
-async def test_fuzz_against_the_document(fake_engine: FakeEngine, label: str) -> None:
+async def test_fuzz_against_the_document(fake_engine: FakeEngine, tokenizer_dir: Path,
+                                         label: str) -> None:
     fake_engine.interval = 0.0
-    app = build_app(fake_engine)
+    app = _models_app(fake_engine, tokenizer_dir) if " /models" in label \
+        else build_app(fake_engine)
     async with serve(app) as url, httpx.AsyncClient(base_url=url) as http:
         running = None
         if "{request_id}" in label:  # a request for the explicit case to cancel

@@ -28,6 +28,9 @@ from pagedserve_client._types import (
     Completion,
     Model,
     ModelList,
+    ModelLoaded,
+    ModelState,
+    ModelStates,
     Tokenized,
 )
 from pagedserve_client._ws import WebSocketClient
@@ -257,9 +260,38 @@ class Completions:
         return self._client._create("/v1/completions", payload, Completion, Completion)
 
 
+def _load_body(model: str, path: str | None, data_parallel_size: int | None,
+               options: dict[str, Any]) -> dict[str, Any]:
+    extra = {"path": path, "data_parallel_size": data_parallel_size}
+    return {"model": model, **{k: v for k, v in extra.items() if v is not None}, **options}
+
+
+def _unload_body(model: str, timeout: float | None) -> dict[str, Any]:
+    return {"model": model} if timeout is None else {"model": model, "timeout": timeout}
+
+
 class Models:
     def __init__(self, client: Client) -> None:
         self._client = client
+
+    def states(self) -> list[ModelState]:
+        """GET /models: every model the server knows, loaded or not, with its engines."""
+        response = self._client.request("GET", "/models", None)
+        return msgspec.json.decode(response.content, type=ModelStates).data
+
+    def load(self, model: str, *, path: str | None = None,
+             data_parallel_size: int | None = None, **options: Any) -> ModelLoaded:
+        """POST /models/load: serve `model` (a known one again, or a new one from `path` with
+        engine options such as max_model_len); returns once its engines are ready."""
+        payload = _load_body(model, path, data_parallel_size, options)
+        response = self._client.request("POST", "/models/load", payload)
+        return msgspec.json.decode(response.content, type=ModelLoaded)
+
+    def unload(self, model: str, *, timeout: float | None = None) -> ModelLoaded:
+        """POST /models/unload: stop serving `model`; its requests get `timeout` seconds to
+        finish (default: aborted now), then its engine processes exit."""
+        response = self._client.request("POST", "/models/unload", _unload_body(model, timeout))
+        return msgspec.json.decode(response.content, type=ModelLoaded)
 
     def list(self) -> ModelList:
         response = self._client.request("GET", "/v1/models", None)
@@ -312,6 +344,24 @@ class AsyncCompletions:
 class AsyncModels:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
+
+    async def states(self) -> list[ModelState]:
+        """GET /models (as Models.states)."""
+        response = await self._client.request("GET", "/models", None)
+        return msgspec.json.decode(response.content, type=ModelStates).data
+
+    async def load(self, model: str, *, path: str | None = None,
+                   data_parallel_size: int | None = None, **options: Any) -> ModelLoaded:
+        """POST /models/load (as Models.load)."""
+        payload = _load_body(model, path, data_parallel_size, options)
+        response = await self._client.request("POST", "/models/load", payload)
+        return msgspec.json.decode(response.content, type=ModelLoaded)
+
+    async def unload(self, model: str, *, timeout: float | None = None) -> ModelLoaded:
+        """POST /models/unload (as Models.unload)."""
+        response = await self._client.request("POST", "/models/unload",
+                                              _unload_body(model, timeout))
+        return msgspec.json.decode(response.content, type=ModelLoaded)
 
     async def list(self) -> ModelList:
         response = await self._client.request("GET", "/v1/models", None)

@@ -170,6 +170,35 @@ class Model(_Base):
     owned_by: str = ""
     max_model_len: int | None = None
     object: str = "model"
+    parent: str | None = None  # a LoRA adapter's base model (its requests run there)
+
+
+class ModelStatus(_Base):
+    value: str  # loaded | loading | unloading | unloaded
+
+
+class ModelState(_Base):
+    """One model of `GET /models` (llama.cpp router's): its state, engines and memory."""
+
+    id: str
+    status: ModelStatus
+    pids: list[int] = []  # its engine processes
+    resident_bytes: int = 0  # their resident memory
+    data_parallel_size: int | None = None
+    object: str = "model"
+
+
+class ModelStates(_Base):
+    data: list[ModelState] = []
+    object: str = "list"
+
+
+class ModelLoaded(_Base):
+    """The answer of `POST /models/load` and `/models/unload`."""
+
+    success: bool
+    model: str
+    pids: list[int] = []  # the model's engine processes (started, or now exited)
 
 
 class ModelList(_Base):

@@ -9,7 +9,8 @@ import { retryDelayMs, shouldRetry, sleep } from './retry.js';
 import { Stream, type Resumer } from './streaming.js';
 import type {
   ChatCompletion, ChatCompletionChunk, ChatCompletionParams, ChatMessageParam, Completion,
-  CompletionParams, Model, ModelList, RequestOptions, Tokenized,
+  CompletionParams, Model, ModelList, ModelLoaded, ModelLoadParams, ModelState, RequestOptions,
+  Tokenized,
 } from './types.js';
 import { WebSocketClient, type WebSocketOptions } from './ws.js';
 
@@ -68,6 +69,17 @@ export class PagedServe {
     /** GET /v1/models/{id}; a NotFoundError for another id. */
     retrieve: async (id: string, options?: RequestOptions): Promise<Model> =>
       (await this.request('GET', `/v1/models/${encodeURIComponent(id)}`, undefined, options)).response.json() as Promise<Model>,
+    /** GET /models (llama.cpp router's): every model the server knows, loaded or not. */
+    states: async (options?: RequestOptions): Promise<ModelState[]> =>
+      ((await (await this.request('GET', '/models', undefined, options)).response.json()) as { data: ModelState[] }).data,
+    /** POST /models/load: serve `model` again, or a new one from `path` with engine options
+     * (max_model_len, data_parallel_size...); resolves once its engines are ready. */
+    load: async (model: string, params: ModelLoadParams = {}, options?: RequestOptions): Promise<ModelLoaded> =>
+      (await this.request('POST', '/models/load', { model, ...params }, options)).response.json() as Promise<ModelLoaded>,
+    /** POST /models/unload: its requests get `timeout` seconds (default: aborted now), then its
+     * engine processes exit. */
+    unload: async (model: string, params: { timeout?: number } = {}, options?: RequestOptions): Promise<ModelLoaded> =>
+      (await this.request('POST', '/models/unload', { model, ...params }, options)).response.json() as Promise<ModelLoaded>,
   };
 
   /** POST /tokenize (vLLM's): `{ prompt }` or `{ messages }` (rendered as chat renders them). */

@@ -143,6 +143,32 @@ export interface Model {
   created: number;
   owned_by: string;
   max_model_len?: number | null;
+  /** A LoRA adapter's base model (its requests run there). */
+  parent?: string | null;
+}
+
+/** One model of `GET /models`: its state, engine processes and their resident memory. */
+export interface ModelState {
+  id: string;
+  status: { value: 'loaded' | 'loading' | 'unloading' | 'unloaded' | (string & {}) };
+  pids: number[];
+  resident_bytes: number;
+  data_parallel_size?: number | null;
+}
+
+/** `POST /models/load` options beside the name: `path` and engine options by their flag names
+ * with underscores. */
+export interface ModelLoadParams {
+  path?: string;
+  data_parallel_size?: number;
+  [engineOption: string]: unknown;
+}
+
+/** The answer of `POST /models/load` and `/models/unload`. */
+export interface ModelLoaded {
+  success: boolean;
+  model: string;
+  pids: number[];
 }
 
 /** `POST /tokenize`'s answer (vLLM's shape). */

@@ -206,6 +206,39 @@ describe('chat page: conversations, Markdown, reasoning, tools, regenerate, edit
     await page.click('#scrim', { position: { x: 370, y: 400 } });
     await page.setViewportSize({ width: 1100, height: 760 });
   });
+
+  it('lists every model and adapter in the picker and asks the one picked', async () => {
+    const cards = [
+      { id: 'tiny-llama', object: 'model', created: 0, owned_by: 'pagedserve' },
+      { id: 'other-model', object: 'model', created: 0, owned_by: 'pagedserve' },
+      { id: 'tiny-llama-sql', object: 'model', created: 0, owned_by: 'pagedserve', parent: 'tiny-llama' },
+    ];
+    const asked: string[] = [];
+    await page.route('**/v1/models', (route) => route.fulfill({
+      status: 200, body: JSON.stringify({ object: 'list', data: cards }), headers: { 'content-type': 'application/json' },
+    }));
+    await page.route('**/v1/chat/completions', (route) => {
+      asked.push(route.request().postDataJSON().model);
+      return scripted(sse([{ content: 'From the adapter' }]))(route);
+    });
+    try {
+      await page.evaluate(() => dispatchEvent(new Event('online')));  // NOTE: the page reloads its list
+      await expect.poll(() => page.locator('#model option').count()).toBe(3);
+      expect(await page.locator('#model option').allTextContents())
+        .toEqual(['tiny-llama', 'other-model', 'tiny-llama-sql (adapter of tiny-llama)']);
+      await page.selectOption('#model', 'tiny-llama-sql');
+      await page.click('#new-chat');
+      await ask(page, 'Which model is this?');
+      expect(asked).toEqual(['tiny-llama-sql']);
+      await page.evaluate(() => dispatchEvent(new Event('online')));  // a reload keeps the pick
+      await expect.poll(() => page.locator('#model').inputValue()).toBe('tiny-llama-sql');
+    } finally {
+      await page.unroute('**/v1/models');
+      await page.unroute('**/v1/chat/completions');
+    }
+    await page.evaluate(() => dispatchEvent(new Event('online')));
+    await expect.poll(() => page.locator('#model option').allTextContents()).toEqual(['tiny-llama']);
+  });
 });
 
 const LONG = 'Write a long story about a lighthouse keeper.';
