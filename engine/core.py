@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from engine.allocator import tune_malloc
@@ -18,6 +19,7 @@ from engine.kv_manager import KVCacheManager
 from engine.models.config import ModelConfig
 from engine.models.cpu_linear import pack_linears, resolve_mode
 from engine.models.loader import load_model, resolve_quantization
+from engine.models.pooling_config import pooling_info
 from engine.models.quant_linear import count_weights
 from engine.preemption import PreemptionCost
 from engine.request import Request
@@ -30,6 +32,7 @@ from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig, step_token_budget
 from ipc.messages import AddRequest, EngineStats, TokenDelta
 from ipc.model_source import resolve_model
+from ipc.pooling import PoolingInfo
 from kernels import auto_backend, get_backend
 
 if TYPE_CHECKING:
@@ -61,6 +64,9 @@ class EngineCore:
         model, self.model_config, ranks = _load_model(config, source, self.dtype, self.device,
                                                       self.quantization)
         self.max_model_len = _max_model_len(config, self.model_config)
+        self.pooling_info: PoolingInfo = pooling_info(
+            None if source.is_gguf else source.path, self.model_config.hidden_size,
+            config.pooling)
         self.block_size = config.block_size
         self.num_gpu_blocks = self._num_blocks(model)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
@@ -244,6 +250,8 @@ class EngineCore:
         return mode
 
     def _validate(self, msg: AddRequest) -> Request:
+        if msg.sampling.pooling is not None:
+            return self._validate_pooling(msg)
         prompt, s = msg.prompt_token_ids, msg.sampling
         keys = [choice_key(msg.request_id, i) for i in range(s.num_choices)]
         if msg.request_id in self.scheduler.groups or any(map(self.scheduler.is_live, keys)):
@@ -288,6 +296,32 @@ class EngineCore:
         if s.structured_outputs is not None:
             choices[0].pending_grammar = self.grammars.submit(s.structured_outputs)
         return choices[0]
+
+    def _validate_pooling(self, msg: AddRequest) -> Request:
+        """A prefill-only request: its prompt must fit the context and the pool; its pooling
+        gets the model's method and normalization where it set none."""
+        prompt, s, info = msg.prompt_token_ids, msg.sampling, self.pooling_info
+        assert s.pooling is not None
+        if msg.request_id in self.scheduler.groups or self.scheduler.is_live(msg.request_id):
+            raise ValueError(f"request_id {msg.request_id!r} is already in use")
+        vocab = self.model_config.vocab_size
+        if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"input must be 1 or more token ids in [0, {vocab})")
+        if len(prompt) > self.max_model_len:
+            raise ValueError(f"input has {len(prompt)} tokens; the context length is "
+                             f"{self.max_model_len}{self._context_note}")
+        blocks = self.kv.max_blocks_held(len(prompt), self.scheduler.config.max_num_batched_tokens)
+        if blocks > self.num_gpu_blocks:
+            raise ValueError(f"input needs {blocks} KV blocks; the pool has {self.num_gpu_blocks}")
+        if s.pooling.dimensions is not None and not info.allows(s.pooling.dimensions):
+            raise ValueError(f"dimensions {s.pooling.dimensions} is not one this model's "
+                             f"{info.dimensions}-value embeddings can be truncated to")
+        pooling = msgspec.structs.replace(
+            s.pooling, method=s.pooling.method or info.method,
+            normalize=info.normalize if s.pooling.normalize is None else s.pooling.normalize)
+        s = msgspec.structs.replace(s, pooling=pooling)
+        return Request(msg.request_id, list(prompt), s, 0, msg.priority,
+                       msg.arrival_time or time.time())
 
     def _num_blocks(self, model: torch.nn.Module) -> int:
         if self.config.num_gpu_blocks is not None:

@@ -306,6 +306,8 @@ def ready_message(core: Core, incarnation: str) -> EngineReady:
         max_num_seqs=getattr(getattr(core, "config", None), "max_num_seqs", 0),
         max_logprobs=getattr(getattr(core, "config", None), "max_logprobs",
                              EngineConfig.max_logprobs),
+        # NOTE: optional in the core's interface, as above (scripted cores in tests)
+        pooling=getattr(core, "pooling_info", None),
     )
 
 

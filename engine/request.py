@@ -101,6 +101,7 @@ class Request:
         # (output tokens, closing): the closing found from the state after that many outputs
         self.closing_after: tuple[int, list[int] | None] = (-1, None)
         self.error: str | None = None  # with FINISHED_ERROR: why
+        self.pooled: list[float] | None = None  # a pooling request's vector, once computed
         self.error_param: str | None = None  # and the request field at fault
         self.num_preemptions = 0
         # the timeline reported on the terminal delta (RequestMetrics)

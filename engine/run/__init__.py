@@ -1,0 +1,1 @@
+"""Compute side of the engine: runner, rows, sampler, verification, pooling."""
