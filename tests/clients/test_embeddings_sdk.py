@@ -190,3 +190,38 @@ def test_generation_still_served_and_blocks_balance(url, client):
     free = [line for line in text.splitlines() if line.startswith("pagedserve_kv_blocks_free")]
     total = [line for line in text.splitlines() if line.startswith("pagedserve_kv_blocks_total")]
     assert free and total and free[0].split()[-1] == total[0].split()[-1], (free, total)
+
+
+def test_pagedserve_sdk_embeddings_rerank_score(url, st):
+    from pagedserve_client import AsyncClient, BadRequestError, Client
+
+    ref = st.encode(TEXTS)
+    with Client(url, max_retries=0) as client:
+        floats = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+        b64 = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="base64")
+        for f, b, r in zip(floats.data, b64.data, ref, strict=True):
+            assert _cos(f.embedding, r) >= 0.9999
+            assert b.embedding == pytest.approx(f.embedding, abs=1e-6)
+        assert floats.usage.prompt_tokens > 0
+        ranked = client.rerank(query=TEXTS[0], documents=TEXTS[1:], model=MODEL, top_n=2)
+        want = [float(x) for x in st.similarity(ref[:1], ref[1:])[0]]
+        assert [r.index for r in ranked.results] == sorted(range(3), key=lambda i: -want[i])[:2]
+        assert ranked.results[0].document.text == TEXTS[1 + ranked.results[0].index]
+        scores = client.score(text_1=TEXTS[0], text_2=TEXTS[1:])
+        assert [s.score for s in scores.data] == pytest.approx(want, abs=1e-4)
+        with pytest.raises(BadRequestError) as err:
+            client.embeddings.create(input="x", dimensions=24)
+        assert err.value.param == "dimensions"
+
+    async def run() -> None:
+        async with AsyncClient(url, max_retries=0) as client:
+            out = await client.embeddings.create(input=TEXTS[:1])
+            assert _cos(out.data[0].embedding, ref[0]) >= 0.9999
+            ranked = await client.rerank(query=TEXTS[0], documents=[{"text": TEXTS[1]}])
+            assert ranked.results[0].relevance_score == pytest.approx(want[0], abs=1e-4)
+            pairs = await client.score(text_1=TEXTS[:2], text_2=TEXTS[2:])
+            assert len(pairs.data) == 2
+
+    import asyncio
+
+    asyncio.run(run())
