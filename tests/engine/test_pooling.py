@@ -184,3 +184,18 @@ def test_pooling_request_validation():
     core.add_request(AddRequest(request_id="fits", prompt_token_ids=[5] * 64, sampling=POOL))
     with pytest.raises(ValueError, match="n must be 1"):
         SamplingParams(n=2, pooling=PoolingParams())
+
+
+def test_no_prefix_cache_hits_for_pooling():
+    """The second embedding of a text whose blocks are cached still pools every position."""
+    model_dir = embedder_dir("mean")
+    core = _core(model_dir)
+    ids = list(range(200, 264))  # four full blocks
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    core.add_request(AddRequest(request_id="g", prompt_token_ids=ids + [7], sampling=greedy))
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.kv.pool.cached  # the generation's prompt blocks are in the prefix cache
+    (first,), _ = _pool(core, [ids])
+    (second,), _ = _pool(_core(model_dir), [ids])
+    torch.testing.assert_close(first, second)
