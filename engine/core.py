@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from engine.allocator import tune_malloc
@@ -17,6 +18,7 @@ from engine.devices import resolve_device, resolve_dtype
 from engine.models.accelerate import accelerate
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model, resolve_quantization
+from engine.models.pooling_config import pooling_info
 from engine.models.quant_linear import count_weights
 from engine.run.runner import ModelRunner
 from engine.run.sampler import Sampler
@@ -28,9 +30,10 @@ from engine.sched.structured.compiler import GrammarCompiler
 from engine.step_plan import choice_key
 from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig, step_token_budget
-from ipc.limits import Limits, check_limits
+from ipc.limits import Limits, check_limits, check_pooling_input
 from ipc.messages import AddRequest, EngineStats, TokenDelta
 from ipc.model_source import resolve_model
+from ipc.pooling import PoolingInfo
 from ipc.prefix_hash import salt_bytes
 from kernels import Backend, auto_backend, get_backend
 
@@ -113,6 +116,9 @@ class EngineCore:
         model, self.model_config, ranks = _load_model(config, source, self.dtype, self.device,
                                                       self.quantization)
         self.max_model_len = _max_model_len(config, self.model_config)
+        self.pooling_info: PoolingInfo = pooling_info(
+            None if source.is_gguf else source.path, self.model_config.hidden_size,
+            config.pooling)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         # NOTE: counted before packing: packed (and quantized) weights are not Parameters
         self.num_params = count_weights(model)
@@ -282,6 +288,8 @@ class EngineCore:
         return window
 
     def _validate(self, msg: AddRequest) -> Request:
+        if msg.sampling.pooling is not None:
+            return self._validate_pooling(msg)
         prompt, s = msg.prompt_token_ids, msg.sampling
         keys = [choice_key(msg.request_id, i) for i in range(s.num_choices)]
         if msg.request_id in self.scheduler.groups or any(map(self.scheduler.is_live, keys)):
@@ -307,6 +315,28 @@ class EngineCore:
         if s.structured_outputs is not None:
             choices[0].pending_grammar = self.grammars.submit(s.structured_outputs)
         return choices[0]
+
+    def _validate_pooling(self, msg: AddRequest) -> Request:
+        """A prefill-only request: its prompt must fit the context and the pool; its pooling
+        gets the model's method and normalization where it set none."""
+        prompt, s, info = msg.prompt_token_ids, msg.sampling, self.pooling_info
+        assert s.pooling is not None
+        if msg.request_id in self.scheduler.groups or self.scheduler.is_live(msg.request_id):
+            raise ValueError(f"request_id {msg.request_id!r} is already in use")
+        check_pooling_input(Limits(self.max_model_len, self.config.max_logprobs,
+                                   self.model_config.vocab_size, self._context_note), prompt)
+        blocks = self.kv.max_blocks_held(len(prompt), self.scheduler.config.max_num_batched_tokens)
+        if blocks > self.num_gpu_blocks:
+            raise ValueError(f"input needs {blocks} KV blocks; the pool has {self.num_gpu_blocks}")
+        if s.pooling.dimensions is not None and not info.allows(s.pooling.dimensions):
+            raise ValueError(f"dimensions {s.pooling.dimensions} is not one this model's "
+                             f"{info.dimensions}-value embeddings can be truncated to")
+        pooling = msgspec.structs.replace(
+            s.pooling, method=s.pooling.method or info.method,
+            normalize=info.normalize if s.pooling.normalize is None else s.pooling.normalize)
+        s = msgspec.structs.replace(s, pooling=pooling)
+        return Request(msg.request_id, list(prompt), s, 0, msg.priority,
+                       msg.arrival_time or time.time())
 
     def _num_blocks(self) -> int:
         if self.config.num_gpu_blocks is not None:

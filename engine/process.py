@@ -33,6 +33,7 @@ from ipc.messages import (
     ToEngine,
     TokenDelta,
 )
+from ipc.pooling import PoolingInfo
 from ipc.prefix_hash import pack_digest
 from ipc.sd_notify import Notifier
 from ipc.transport import EngineSockets
@@ -57,6 +58,7 @@ class Core(Protocol):
     tokenizer_dir: str
     max_num_seqs: int  # most requests it runs at once (0: not reported)
     max_logprobs: int  # most top logprobs a request may ask for
+    pooling_info: PoolingInfo | None  # how it pools embeddings (None: it cannot)
 
     def add_request(self, msg: AddRequest) -> None: ...
     def abort_requests(self, request_ids: Iterable[str]) -> list[TokenDelta]: ...
@@ -302,6 +304,7 @@ def ready_message(core: Core, incarnation: str) -> EngineReady:
         incarnation=incarnation, eos_token_ids=list(core.eos_token_ids),
         tokenizer=core.tokenizer_dir, max_num_seqs=core.max_num_seqs,
         max_logprobs=core.max_logprobs,
+        pooling=core.pooling_info,
     )
 
 

@@ -149,6 +149,8 @@ class Sampled(msgspec.Struct, array_like=True, gc=False):
 class RunnerOutput(msgspec.Struct, gc=False):
     sampled: dict[str, Sampled] = {}  # by key, one per SampleRow
     prompt_logprobs: dict[str, list[PositionLogprobs]] = {}  # by key, in position order
+    # by key: the vector of a pooling row whose prompt ended this step (engine/run/pooling.py)
+    pooled: dict[str, list[float]] = {}
 
 
 def decode_first(plan: StepPlan) -> list[str]:

@@ -22,8 +22,10 @@ from starlette.staticfiles import StaticFiles
 
 from gateway.api.anthropic_errors import anthropic_error_response, is_messages_path
 from gateway.api.anthropic_messages import messages_routes
+from gateway.api.embeddings import EmbeddingsApi
 from gateway.api.model_management import model_cards, model_routes
 from gateway.api.openai_responses import ResponsesRoutes
+from gateway.api.rerank import RerankApi
 from gateway.auth import ApiKeyMiddleware
 from gateway.body import read_body
 from gateway.chunks import Accumulator, ChunkBuilder, response_of, usage_chunk
@@ -286,6 +288,8 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         *messages_routes(gw),
         *model_routes(gw),
+        Route("/v1/embeddings", EmbeddingsApi(gw).create, methods=["POST"]),
+        *RerankApi(gw).routes(),  # /v1/rerank, /rerank, /v2/rerank, /score, /v1/score
         Route("/v1/requests/{request_id}/cancel", h.cancel, methods=["POST"]),
         Route("/v1/streams/{stream_id}", streams.resume, methods=["GET"]),
         Route("/v1/streams/{stream_id}", streams.cancel, methods=["DELETE"]),

@@ -19,7 +19,9 @@ from gateway.api.anthropic_types import (
     StreamEvent,
     TokenCount,
 )
+from gateway.api.embeddings import EmbeddingRequest, EmbeddingResponse
 from gateway.api.model_management import openapi_paths as model_paths
+from gateway.api.rerank import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse
 from gateway.api.responses_types import (
     DeletedResponse,
     ResponseEvent,
@@ -87,11 +89,12 @@ class StreamCancelled(msgspec.Struct):
 
 REQUESTS = (ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest,
             TokenizeChatRequest, DetokenizeRequest, ResponsesRequest, MessagesRequest,
-            CountTokensRequest)
+            CountTokensRequest, EmbeddingRequest, RerankRequest, ScoreRequest)
 RESPONSES = (ChatCompletion, ChatCompletionChunk, Completion, ModelList, ErrorEnvelope, Health,
              Liveness, VersionInfo, Cancelled, ModelCard, TokenizeResponse, DetokenizeResponse,
              ResponseObject, ResponseEvent, DeletedResponse, MessageReply, TokenCount,
-             AnthropicError, MessagesStreamEvent, StreamCancelled)
+             AnthropicError, MessagesStreamEvent, StreamCancelled, EmbeddingResponse,
+             RerankResponse, ScoreResponse)
 
 
 def _structs(tp: Any, found: dict[str, type]) -> dict[str, type]:
@@ -349,6 +352,38 @@ def _streams(refs: dict[str, Schema]) -> Schema:
     }
 
 
+RERANK_EXAMPLE = {"rerank": {"value": {"query": "What is paged attention?", "top_n": 2,
+                                       "documents": ["KV cache in blocks", {"text": "A cat"}]}}}
+
+
+def _pooling(refs: dict[str, Schema]) -> dict[str, Schema]:
+    """/v1/embeddings, the rerank routes and the score routes (outside /v1: no key, as vLLM)."""
+    def post(operation_id: str, request: str, response: str, what: str,
+             examples: dict[str, Schema], keyed: bool) -> Schema:
+        return {"post": {
+            "operationId": operation_id, **({"security": BEARER} if keyed else {}),
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": refs[request], "examples": examples}}},
+            "responses": {"200": _json(refs[response], what),
+                          **_errors(refs, 400, *((401,) if keyed else ()), 404, 413, 500, 503)}}}
+
+    embed = {"texts": {"value": {"input": ["Hello world", "Paged attention"]}},
+             "base64": {"value": {"input": "Hello", "encoding_format": "base64"}}}
+    score = {"pairs": {"value": {"text_1": "What is paged attention?",
+                                 "text_2": ["KV cache in blocks", "A cat"]}}}
+    ranked = "documents by relevance (cosine of embeddings), best first"
+    paths = {"/v1/embeddings": post("createEmbedding", "EmbeddingRequest", "EmbeddingResponse",
+                                    "one embedding per input, in order", embed, True)}
+    for path, op in (("/v1/rerank", "rerank"), ("/rerank", "rerankUnversioned"),
+                     ("/v2/rerank", "rerankV2")):
+        paths[path] = post(op, "RerankRequest", "RerankResponse", ranked, RERANK_EXAMPLE,
+                           path.startswith("/v1/"))
+    for path, op in (("/score", "score"), ("/v1/score", "scoreV1")):
+        paths[path] = post(op, "ScoreRequest", "ScoreResponse", "a score per pair", score,
+                           path.startswith("/v1/"))
+    return paths
+
+
 def _get(operation_id: str, responses: dict[str, Schema]) -> Schema:
     return {"get": {"operationId": operation_id, "responses": responses}}
 
@@ -415,6 +450,7 @@ def _ops_paths(refs: dict[str, Schema]) -> dict[str, Schema]:
                 "content": {"text/event-stream": {"schema": _stats_events()}}},
                 **_errors(refs, 401)}}},
         "/openapi.json": _get("openapi", {"200": _json({"type": "object"}, "this document")}),
+        **_pooling(refs),
     }
 
 
@@ -430,8 +466,8 @@ def openapi_document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "pagedserve", "version": package_version(),
-                 "description": "OpenAI-compatible completions, chat completions and responses, "
-                                "and Anthropic Messages."},
+                 "description": "OpenAI-compatible completions, chat completions, responses "
+                                "and embeddings, rerank and score, and Anthropic Messages."},
         "paths": paths,
         "components": {
             "schemas": components,

@@ -18,7 +18,7 @@ import msgspec
 
 from gateway.chunks import TokenNamer
 from gateway.errors import ApiError, unavailable
-from gateway.generation import EngineClientLike, Generation, Job
+from gateway.generation import EngineClientLike, Generation, Job, RequestStreamLike
 from gateway.metrics import Metrics
 from gateway.model_registry import ModelRegistry, UnknownModelError
 from gateway.prompt_text import prompt_text_sizes
@@ -32,6 +32,7 @@ from gateway.tools.prompt import template_messages
 from gateway.tools.registry import PARSERS, CallSyntax, detect_parser, format_for
 from gateway.validate import check_limits, fill_max_tokens, to_sampling
 from ipc.limits import Limits
+from ipc.messages import AddRequest
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTracer
@@ -305,6 +306,15 @@ class Gateway:
         self.generations[job.request_id] = gen
         return gen
 
+    def submit(self, msg: AddRequest) -> RequestStreamLike:
+        """Send a request whose deltas the caller reads itself (pooling requests: one
+        terminal delta, no text); engine-down becomes 503 with Retry-After."""
+        self.require_ready()
+        try:
+            return self.client.submit(msg)
+        except self._unavailable as exc:
+            raise unavailable(f"the engine is not available: {exc}", "engine_unavailable") from None
+
     def finished(self, gen: Generation) -> None:
         if self.generations.get(gen.job.request_id) is gen:
             del self.generations[gen.job.request_id]
@@ -378,11 +388,13 @@ class Gateway:
                                        self.settings.split_special_tokens, tools, template,
                                        getattr(request, "add_special_tokens", False))
 
-    async def encode_prompt(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """The token ids of a completions prompt (completions and /tokenize); text too long
-        for the engine's context is refused before it is tokenized."""
+    async def encode_prompt(self, text: str, add_special_tokens: bool = False,
+                            param: str = "prompt") -> list[int]:
+        """The token ids of a completions prompt (completions, /tokenize, embeddings: `param`
+        names the field); text too long for the engine's context is refused before it is
+        tokenized."""
         tok = self.tokenizer()
-        _check_text_length({"prompt": len(text)}, self.client.info.max_model_len, tok)  # type: ignore[union-attr]
+        _check_text_length({param: len(text)}, self.client.info.max_model_len, tok)  # type: ignore[union-attr]
         return await _off_loop(len(text), tok.encode, text, add_special_tokens,
                                self.settings.split_special_tokens)
 

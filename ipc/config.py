@@ -18,6 +18,7 @@ _CPU_LINEARS = ("auto", "torch", "onednn", "dual")
 _SPECULATIVE_METHODS = ("ngram", "self", "draft")
 _QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 _QUANT_NUMERICS = ("a32", "a8")
+POOLING_METHODS = ("last", "mean", "cls")  # embedding requests (ipc/pooling.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,8 +164,16 @@ class EngineConfig:
         default=None, metadata={"help": "TCP port of that rendezvous on node 0; needed when "
                                         "nnodes > 1 (default: a free port, single node)"}
     )
+    pooling: str | None = field(
+        default=None, metadata={"help": "how embedding requests pool the prompt's hidden "
+                                        "states: last (token), mean or cls (first token); "
+                                        "default: the checkpoint's sentence-transformers "
+                                        "config, else last", "choices": POOLING_METHODS}
+    )
 
     def __post_init__(self) -> None:
+        if self.pooling not in (None, *POOLING_METHODS):
+            raise ValueError(f"pooling must be one of {POOLING_METHODS}")
         if self.speculative_method not in (None, *_SPECULATIVE_METHODS):
             raise ValueError(f"speculative_method must be one of {_SPECULATIVE_METHODS}")
         _positive(self, "num_speculative_tokens", "speculative_draft_layers",

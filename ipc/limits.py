@@ -45,6 +45,19 @@ def check_limits(limits: Limits, prompt: Sequence[int], sampling: SamplingParams
                              f"logit_bias.{token}")
 
 
+def check_pooling_input(limits: Limits, prompt: Sequence[int]) -> None:
+    """A pooling (embedding) input: token ids in the vocabulary, at least one, and all of them
+    within the context (no output token is asked for)."""
+    if not prompt:
+        raise LimitError("input must not be empty", "prompt")
+    check_token_ids(prompt, limits.vocab_size, "prompt", indexed=False)
+    if len(prompt) > limits.max_model_len:
+        raise LimitError(
+            f"this model's maximum context length is {limits.max_model_len} tokens"
+            f"{limits.context_note}; the input ({len(prompt)} tokens) exceeds the context",
+            "prompt", "context_length_exceeded")
+
+
 def check_context(limits: Limits, prompt_len: int, max_tokens: int | None) -> None:
     """The prompt plus max_tokens (None: one token, the least a reply needs) must fit."""
     if prompt_len + (max_tokens or 1) <= limits.max_model_len:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from ipc.config import EngineConfig
+from ipc.pooling import PoolingInfo
 from ipc.sampling import SamplingParams
 
 # Terminal finish reasons. Every request gets exactly one TokenDelta whose finish_reason is set.
@@ -101,6 +102,8 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     # with FINISH_ERROR: the request field at fault (e.g. "response_format" for a grammar the
     # engine refused or could not compile in time); the gateway answers 400 naming it
     error_param: str | None = None
+    # a pooling request's vector, on its terminal delta (ipc/pooling.py)
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -149,6 +152,7 @@ class EngineReady(_Msg, tag="ready"):
     tokenizer: str = ""  # a directory with tokenizer.json + tokenizer_config.json
     max_num_seqs: int = 0  # most requests it runs at once (0: not reported)
     max_logprobs: int = EngineConfig.max_logprobs  # most top logprobs a request may ask
+    pooling: PoolingInfo | None = None  # how it pools embedding requests (None: it cannot)
 
 
 class StepOutputs(_Msg, tag="outputs"):

@@ -6,6 +6,8 @@ import math
 
 import msgspec
 
+from ipc.pooling import PoolingParams
+
 # NOTE: below this, logits / temperature overflows float32 (1e-38 gives inf, then NaN): such
 # temperatures mean greedy, as in vLLM (its _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
@@ -72,6 +74,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # logprobs of each prompt token after the first (with this many top alternatives)
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None  # constrain the output to a grammar
+    # a pooling (embedding) request: prefill only, its prompt pooled into one vector
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
@@ -106,6 +110,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
                "logit_bias", "needs token ids >= 0 and biases in [-100, 100]")
         _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
                "must be >= 0")
+        if self.pooling is not None:
+            _check(self.num_choices == 1 and not self.use_beam_search, "n",
+                   "must be 1 for a pooling request")
         if self.use_beam_search:
             _check(self.prompt_logprobs is None, "prompt_logprobs",
                    "is not supported with use_beam_search")

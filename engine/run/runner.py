@@ -13,6 +13,7 @@ import torch
 from engine.allocator import untouched_zeros
 from engine.models.llama import LlamaForCausalLM
 from engine.run.forward_context import ForwardContext, forward_context
+from engine.run.pooling import Pooler
 from engine.run.rows import Row, RowStates
 from engine.run.sampler import Sampler, position_logprobs
 from engine.step_plan import (
@@ -55,6 +56,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.states = RowStates(self.max_blocks_per_seq, device)
+        self.pooler = Pooler()  # embedding rows' running pools across prompt chunks
         self.kv_caches, self.cpu_caches = _caches(model.cfg, num_blocks, block_size,
                                                   num_cpu_blocks, kv_dtype, device)
         model.init_rope(max_model_len, device)
@@ -73,6 +75,7 @@ class ModelRunner:
         if plan.step == self.states.applied_step:
             return
         self.states.apply(plan)
+        self.pooler.drop(plan.finished_keys)
         self._copy_blocks(plan.block_copies)
 
     @torch.inference_mode()
@@ -101,7 +104,8 @@ class ModelRunner:
                 self.draft.model(input_ids, positions)
         prompt = self._prompt_logprobs(plan, hidden, last)
         sampled = self._sample(plan, hidden, last) if plan.sampling else {}
-        return RunnerOutput(sampled, prompt)
+        pooled = self.pooler.step(plan, self.states.rows, hidden, last)  # type: ignore[arg-type]
+        return RunnerOutput(sampled, prompt, pooled)
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor,
                          last: dict[str, int]) -> dict[str, list[PositionLogprobs]]:

@@ -28,6 +28,7 @@ def delta(req: Request, tokens: list[int], logprobs=None) -> TokenDelta:
         metrics=_metrics(req) if req.finish_reason is not None else None,
         error=req.error if req.finish_reason is not None else None,
         error_param=req.error_param if req.finish_reason is not None else None,
+        pooled=req.pooled,
     )
 
 

@@ -105,6 +105,7 @@ class Request:
         self.grammar: Matcher | None = None
         self.closing = Closing()  # budget closing's state (engine/sched/grammar.py)
         self.error: str | None = None  # with FINISHED_ERROR: why
+        self.pooled: list[float] | None = None  # a pooling request's vector, once computed
         self.error_param: str | None = None  # and the request field at fault
         self.num_preemptions = 0
         # the timeline reported on the terminal delta (RequestMetrics)

@@ -233,7 +233,9 @@ class Scheduler:
                 break
             # NOTE: prompt logprobs need every prompt position's logits: no cached prefix
             wants_prompt = req.prompt_logprobs is not None and not req.prompt_logprobs_sent
-            cached = [] if wants_prompt else self.kv.find_cached_prefix(req)
+            # NOTE: and pooling needs every prompt position's hidden state (mean, cls)
+            pools = req.sampling.pooling is not None
+            cached = [] if wants_prompt or pools else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, cached):
@@ -269,6 +271,8 @@ class Scheduler:
             drafts = len(plan.spec_token_ids.get(key, ())) or plan.self_drafts.get(key, 0)
             if req.num_computed_tokens + n != req.num_tokens + drafts:
                 continue  # a prefill chunk that does not reach the end yet
+            if req.sampling.pooling is not None:
+                continue  # NOTE: prefill only: the runner pools it, nothing is sampled
             plan.sampling.append(SampleRow(key, key))
             for child in req.children:
                 plan.sampling.append(SampleRow(child.key, key))
@@ -294,6 +298,7 @@ class Scheduler:
             return []
         for key, positions in output.prompt_logprobs.items():
             self._by_key[key].prompt_logprobs.extend(positions)  # type: ignore[union-attr]
+        pooled = self._finish_pooled(output.pooled)
         rows = [(self._by_key[r.key], self._by_key[r.logits_key]) for r in plan.sampling]
         for req, parent in rows:
             if req is not parent:  # fork every choice before any of them may finish
@@ -311,6 +316,17 @@ class Scheduler:
                 deltas.append(found)
         for rid in beam_groups:
             deltas += self._beam_step(rid)
+        return pooled + deltas
+
+    def _finish_pooled(self, vectors: dict[str, list[float]]) -> list[TokenDelta]:
+        """Pooling requests whose prompt was computed end with their vector; their blocks
+        are freed now (a pooling request holds KV only while its prompt is computed)."""
+        deltas = []
+        for key, vector in vectors.items():
+            req = self._by_key[key]
+            req.pooled = vector
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+            deltas.append(delta(req, []))
         return deltas
 
     def _take_sampled(self, req: Request, sampled: Sampled) -> TokenDelta | None:

@@ -18,6 +18,7 @@ from ipc.messages import (
     TokenDelta,
     TokenLogprob,
 )
+from ipc.pooling import PoolingInfo
 
 
 class FakeStream:
@@ -70,6 +71,7 @@ class FakeEngine:
         self.info: EngineReady | None = EngineReady(
             model="test-model", max_model_len=max_model_len, block_size=16, num_gpu_blocks=64,
             tokenizer=str(tokenizer_dir), incarnation="fake-1", max_num_seqs=max_num_seqs,
+            pooling=PoolingInfo(dimensions=8),
         )
         self.stats: EngineStats | None = EngineStats(kv_blocks_total=64, kv_blocks_free=64)
         self.submitted: list[AddRequest] = []
@@ -142,6 +144,15 @@ class FakeEngine:
         ids = self.reply_ids[:limit]
         choices = msg.sampling.num_choices
         await asyncio.sleep(self.first_delay)
+        if msg.sampling.pooling is not None:  # NOTE: one terminal delta with a vector
+            await asyncio.sleep(self.interval)
+            vector = [float(len(msg.prompt_token_ids)), *(float(t % 7) for t in range(7))]
+            stream.queue.put_nowait(TokenDelta(
+                request_id=msg.request_id, finish_reason="stop", pooled=vector,
+                num_prompt_tokens=len(msg.prompt_token_ids)))
+            self._tasks.pop(msg.request_id, None)
+            self._update_stats()
+            return
         for i, token in enumerate(ids):
             await asyncio.sleep(self.interval)
             last = i == len(ids) - 1

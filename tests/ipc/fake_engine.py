@@ -31,6 +31,7 @@ class FakeCore:
     tokenizer_dir = "/nonexistent/tokenizer"
     max_num_seqs = 0  # not reported
     max_logprobs = EngineConfig.max_logprobs
+    pooling_info = None  # generates only
 
     def __init__(self, *, fail_at_step: int | None = None, step_delay: float = 0.0) -> None:
         self.remaining: dict[str, int] = {}

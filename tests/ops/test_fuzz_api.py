@@ -81,6 +81,18 @@ valid_messages = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionari
     "temperature": st.floats(0, 1), "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 50),
     "stop_sequences": st.lists(st.text(min_size=1, max_size=4), max_size=3),
     "metadata": st.fixed_dictionaries({"user_id": st.text(max_size=6)})})
+token_ids = st.lists(st.integers(0, 49151), min_size=1, max_size=5)
+valid_embeddings = st.fixed_dictionaries({"input": text | st.lists(text, min_size=1, max_size=3)
+                                          | token_ids | st.lists(token_ids, max_size=2)},
+                                         optional={
+    "model": st.just("test-model"), "encoding_format": st.sampled_from(["float", "base64"]),
+    "dimensions": st.integers(1, 10), "user": text, "normalize": st.booleans()})
+documents = st.lists(text | st.fixed_dictionaries({"text": text}), max_size=3)
+valid_rerank = st.fixed_dictionaries({"query": text, "documents": documents}, optional={
+    "model": st.just("test-model"), "top_n": st.integers(0, 4),
+    "return_documents": st.booleans()})
+valid_score = st.fixed_dictionaries({"text_1": text | st.lists(text, max_size=3),
+                                     "text_2": text | st.lists(text, max_size=3)})
 
 
 def mutated(valid: st.SearchStrategy[dict]) -> st.SearchStrategy[Any]:
@@ -103,6 +115,9 @@ chat_body = mutated(valid_chat)
 completion_body = mutated(valid_completion)
 responses_body = mutated(valid_responses)
 messages_body = mutated(valid_messages)
+embeddings_body = mutated(valid_embeddings)
+rerank_body = mutated(valid_rerank)
+score_body = mutated(valid_score)
 
 
 def encode(body: Any, mangle: int) -> bytes:
@@ -157,7 +172,12 @@ def check_response(response: Any) -> None:
             assert "error" not in json.loads(item)  # NOTE: the scripted engine never fails
     else:
         payload = response.json()
-        assert payload["choices"] if "choices" in payload else payload["output"]
+        if "/v1/embeddings" in str(response.url) or "score" in str(response.url):
+            assert payload["data"] and payload["usage"]["total_tokens"] >= 0
+        elif "rerank" in str(response.url):
+            assert all(r["relevance_score"] == r["relevance_score"] for r in payload["results"])
+        else:
+            assert payload["choices"] if "choices" in payload else payload["output"]
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +192,10 @@ def client(bundled_tokenizer_dir: Path) -> Any:
                                           ("/v1/completions", completion_body),
                                           ("/v1/responses", responses_body),
                                           ("/v1/messages", messages_body),
-                                          ("/v1/messages/count_tokens", messages_body)])
+                                          ("/v1/messages/count_tokens", messages_body),
+                                          ("/v1/embeddings", embeddings_body),
+                                          ("/v1/rerank", rerank_body),
+                                          ("/score", score_body)])
 def test_http_bodies_never_5xx(client: TestClient, path: str, bodies: Any) -> None:
     @SETTINGS
     @given(body=bodies, mangle=st.sampled_from([0, 0, 0, 0, 0, 1, 3]))
@@ -186,7 +209,8 @@ def test_http_bodies_never_5xx(client: TestClient, path: str, bodies: Any) -> No
 PATHS = ["/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses",
          "/v1/responses/resp_x", "/health", "/livez", "/version", "/metrics",
          "/v1/requests/x/cancel", "/nope", "/v1/../health", "/v1/messages",
-         "/v1/messages/count_tokens", "/v1/messages/nope"]
+         "/v1/messages/count_tokens", "/v1/messages/nope", "/v1/embeddings", "/v1/rerank",
+         "/rerank", "/v2/rerank", "/score", "/v1/score"]
 
 
 @SETTINGS

@@ -1,6 +1,14 @@
 """pagedserve's Python SDK: `Client`/`AsyncClient` (HTTP + SSE) and `WebSocketClient`."""
 
 from pagedserve_client._client import AsyncClient, Client
+from pagedserve_client._embeddings import (
+    CreateEmbeddingResponse,
+    Embedding,
+    RerankResponse,
+    RerankResult,
+    Score,
+    ScoreResponse,
+)
 from pagedserve_client._errors import (
     APIConnectionError,
     APIError,
@@ -44,7 +52,9 @@ from pagedserve_client._ws import Generation, WebSocketClient
 __all__ = [
     "APIConnectionError", "APIError", "APIStatusError", "APITimeoutError", "AsyncClient",
     "AsyncStream", "AuthenticationError", "BadRequestError", "ChatCompletion",
-    "ChatCompletionChunk", "Client", "Completion", "ConflictError", "FinishReason", "Generation",
+    "ChatCompletionChunk", "Client", "Completion", "ConflictError", "CreateEmbeddingResponse",
+    "Embedding", "RerankResponse", "RerankResult", "Score", "ScoreResponse", "FinishReason",
+    "Generation",
     "GenerationDone", "GenerationStatus", "InternalServerError", "Model", "ModelList",
     "ModelLoaded", "ModelState", "NotFoundError", "PagedServeError", "PermissionDeniedError",
     "PromptLogprob", "RateLimitError",

@@ -1,5 +1,5 @@
 """`Client` (sync) and `AsyncClient` over httpx: chat completions, completions, responses,
-models, cancel, tokenize/detokenize.
+embeddings, rerank and score, models, cancel, tokenize/detokenize.
 
 Both retry 408/409/429/5xx and connection errors with backoff (honouring Retry-After) before any
 byte of a response reaches the caller; a stream already handed out is never retried, but a
@@ -17,7 +17,15 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
+from pagedserve_client import _embeddings
 from pagedserve_client._base import ClientSettings, body, connection_error
+from pagedserve_client._embeddings import (
+    AsyncEmbeddings,
+    Document,
+    Embeddings,
+    RerankResponse,
+    ScoreResponse,
+)
 from pagedserve_client._errors import status_error
 from pagedserve_client._responses import AsyncResponses, Responses
 from pagedserve_client._retry import retry_delay, should_retry
@@ -52,6 +60,7 @@ class Client:
         self.chat = Chat(self)
         self.completions = Completions(self)
         self.responses = Responses(self)
+        self.embeddings = Embeddings(self)
         self.models = Models(self)
 
     def __enter__(self) -> Client:
@@ -76,6 +85,17 @@ class Client:
     def detokenize(self, tokens: list[int]) -> str:
         """POST /detokenize: the text of token ids."""
         return self.request("POST", "/detokenize", {"tokens": tokens}).json()["prompt"]
+
+    def rerank(self, *, query: str, documents: list[Document], model: str | None = None,
+               top_n: int | None = None, **params: Any) -> RerankResponse:
+        """POST /v1/rerank: documents by relevance to the query, best first; `params`:
+        return_documents, priority."""
+        return _embeddings.rerank(self, query, documents, model, top_n, params)
+
+    def score(self, *, text_1: str | list[str], text_2: str | list[str],
+              model: str | None = None) -> ScoreResponse:
+        """POST /v1/score (vLLM's): text_1 against each text_2 (1 -> N), or pairwise (N <-> N)."""
+        return _embeddings.score(self, text_1, text_2, model)
 
     def request(self, method: str, path: str, payload: dict[str, Any] | None,
                 stream: bool = False, headers: dict[str, str] | None = None) -> httpx.Response:
@@ -136,6 +156,7 @@ class AsyncClient:
         self.chat = AsyncChat(self)
         self.completions = AsyncCompletions(self)
         self.responses = AsyncResponses(self)
+        self.embeddings = AsyncEmbeddings(self)
         self.models = AsyncModels(self)
 
     async def __aenter__(self) -> AsyncClient:
@@ -164,6 +185,14 @@ class AsyncClient:
     async def detokenize(self, tokens: list[int]) -> str:
         """POST /detokenize: the text of token ids."""
         return (await self.request("POST", "/detokenize", {"tokens": tokens})).json()["prompt"]
+
+    async def rerank(self, *, query: str, documents: list[Document], model: str | None = None,
+                     top_n: int | None = None, **params: Any) -> RerankResponse:
+        return await _embeddings.async_rerank(self, query, documents, model, top_n, params)
+
+    async def score(self, *, text_1: str | list[str], text_2: str | list[str],
+                    model: str | None = None) -> ScoreResponse:
+        return await _embeddings.async_score(self, text_1, text_2, model)
 
     async def request(self, method: str, path: str, payload: dict[str, Any] | None,
                       stream: bool = False, headers: dict[str, str] | None = None

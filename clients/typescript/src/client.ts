@@ -1,8 +1,13 @@
-/** `PagedServe`: the HTTP client (chat completions, completions, responses, models, cancel) over fetch.
+/** `PagedServe`: the HTTP client (chat completions, completions, responses, embeddings, rerank,
+ * score, models, cancel) over fetch.
  * Retries 408/409/429/5xx and network errors with backoff (honouring Retry-After) before any
  * byte of a response reaches the caller; a stream already handed out is never retried, but a
  * resumable one (`resumable: true`) that breaks is resumed after its last event (streaming.ts). */
 
+import {
+  decodeEmbeddings, type CreateEmbeddingResponse, type EmbeddingCreateParams, type RerankParams,
+  type RerankResponse, type ScoreParams, type ScoreResponse,
+} from './embeddings.js';
 import { APIConnectionError, APITimeoutError, APIUserAbortError, statusError } from './errors.js';
 import type { ResponseCreateParams, ResponseObject, ResponseStreamEvent } from './responses.js';
 import { retryDelayMs, shouldRetry, sleep } from './retry.js';
@@ -62,6 +67,22 @@ export class PagedServe {
     delete: async (id: string, options?: RequestOptions): Promise<{ id: string; deleted: boolean }> =>
       (await this.request('DELETE', `/v1/responses/${encodeURIComponent(id)}`, undefined, options)).response.json() as Promise<{ id: string; deleted: boolean }>,
   };
+
+  /** POST /v1/embeddings; a base64 answer (`encoding_format: 'base64'`) comes back decoded. */
+  readonly embeddings = {
+    create: async (params: EmbeddingCreateParams, options?: RequestOptions): Promise<CreateEmbeddingResponse> =>
+      decodeEmbeddings(await (await this.request('POST', '/v1/embeddings', params, options)).response.json()),
+  };
+
+  /** POST /v1/rerank: the documents by relevance to the query, best first. */
+  async rerank(params: RerankParams, options?: RequestOptions): Promise<RerankResponse> {
+    return (await this.request('POST', '/v1/rerank', params, options)).response.json() as Promise<RerankResponse>;
+  }
+
+  /** POST /v1/score (vLLM's): a score per (text_1, text_2) pair. */
+  async score(params: ScoreParams, options?: RequestOptions): Promise<ScoreResponse> {
+    return (await this.request('POST', '/v1/score', params, options)).response.json() as Promise<ScoreResponse>;
+  }
 
   readonly models = {
     list: async (options?: RequestOptions): Promise<ModelList> =>

@@ -8,3 +8,4 @@ export { retryDelayMs, shouldRetry } from './retry.js';
 export { Generation, WebSocketClient, RECONNECT_CODES, NO_RESUME_CODES, SUBPROTOCOL, type WebSocketOptions, type WebSocketLike, type WebSocketConstructor } from './ws.js';
 export * from './types.js';
 export * from './responses.js';
+export * from './embeddings.js';
