@@ -22,7 +22,7 @@ class RunnerMirror:
         if key not in self._num_tokens:
             plan.new_requests.append(NewRequest(
                 key, list(req.all_token_ids), req.num_prompt_tokens, req.sampling, req.seed,
-                [] if table is None else table.values, req.num_computed_tokens))
+                [] if table is None else table.values, req.num_computed_tokens, req.lora_id))
         else:
             plan.cached_requests.append(CachedRequest(
                 key, self._token_diff(req), table, req.num_computed_tokens))

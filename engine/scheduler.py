@@ -15,6 +15,7 @@ from engine import beam_search, grammar_budget, spec_decode
 from engine.deltas import beam_deltas, delta
 from engine.grammar_masks import GrammarMasks
 from engine.kv_manager import KVCacheManager, held
+from engine.lora.admission import lora_fits
 from engine.plan_mirror import RunnerMirror
 from engine.preemption import SWAP, PreemptionCost
 from engine.request import Request, RequestStatus
@@ -45,6 +46,7 @@ class SchedulerConfig:
     max_model_len: int
     spec: SpecConfig | None = None
     vocab_size: int | None = None  # the logits' width: grammar masks need it
+    max_loras: int | None = None  # distinct LoRA adapters running at once (None: LoRA off)
 
 
 @dataclass
@@ -232,6 +234,8 @@ class Scheduler:
     def _swap_in(self, plan: StepPlan, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
+            if not lora_fits(req, self.running, self.config.max_loras):
+                break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             blocks = len(held(self.kv.cpu_block_ids(req.key)))
             if self.kv.blocks_to_swap_in(req, n) > self.kv.num_free_blocks:
@@ -252,6 +256,8 @@ class Scheduler:
             width = 1 + len(req.children)  # forked choices will run too
             if len(self.running) + width > self.config.max_num_seqs and self.running:
                 break
+            if not lora_fits(req, self.running, self.config.max_loras):
+                break  # NOTE: in order: it waits for a running adapter to finish
             # NOTE: prompt logprobs need every prompt position's logits: no cached prefix
             wants_prompt = req.prompt_logprobs is not None and not req.prompt_logprobs_sent
             cached = [] if wants_prompt else self.kv.find_cached_prefix(req)

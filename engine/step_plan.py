@@ -57,6 +57,7 @@ class NewRequest(msgspec.Struct, frozen=True, gc=False):
     seed: int | None  # its own generator's seed (request seed + choice index); None: shared
     block_ids: list[int]  # its block table (NULL_BLOCK = -1 entries lie before a window)
     num_computed_tokens: int  # tokens whose K/V are in the cache (prefix-cache hits count)
+    lora: int | None = None  # its LoRA adapter's id (engine/lora), None: the base model
 
 
 class CachedRequest(msgspec.Struct, frozen=True, gc=False):
