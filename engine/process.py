@@ -175,8 +175,10 @@ class EngineLoop:
             else:
                 names = self._core.unload_lora(msg.lora_name)
         except ValueError as exc:
-            return LoraAdapterResult(request_id=msg.request_id, error=str(exc))
-        return LoraAdapterResult(request_id=msg.request_id, adapters=names)
+            return LoraAdapterResult(request_id=msg.request_id, error=str(exc),
+                                     incarnation=self._incarnation)
+        return LoraAdapterResult(request_id=msg.request_id, adapters=names,
+                                 incarnation=self._incarnation)
 
     def _add(self, msg: AddRequest) -> list[TokenDelta]:
         if self._deadline is not None:

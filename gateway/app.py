@@ -22,6 +22,7 @@ from starlette.staticfiles import StaticFiles
 
 from gateway.api.anthropic_errors import anthropic_error_response, is_messages_path
 from gateway.api.anthropic_messages import messages_routes
+from gateway.api.lora import LoraRoutes, adapter_cards
 from gateway.api.openai_responses import ResponsesRoutes
 from gateway.auth import ApiKeyMiddleware
 from gateway.body import read_body
@@ -77,8 +78,9 @@ class Handlers:
         gw, info = self.gw, self.gw.client.info
         if gw.model_name is None:
             return []
-        return [ModelCard(gw.model_name, int(time.time()),
-                          max_model_len=info.max_model_len if info else None)]
+        max_len = info.max_model_len if info else None
+        return [ModelCard(gw.model_name, int(time.time()), max_model_len=max_len),
+                *adapter_cards(gw.loras, gw.model_name, max_len)]
 
     async def models(self, request: Request) -> Response:
         return json_response(ModelList(self._cards()))
@@ -286,6 +288,7 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
         Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         *messages_routes(gw),
+        *LoraRoutes(gw).routes(),
         Route("/v1/requests/{request_id}/cancel", h.cancel, methods=["POST"]),
         Route("/v1/streams/{stream_id}", streams.resume, methods=["GET"]),
         Route("/v1/streams/{stream_id}", streams.cancel, methods=["DELETE"]),

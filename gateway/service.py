@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from gateway.api.lora import LoraRegistry
 from gateway.chunks import TokenNamer
 from gateway.errors import ApiError, unavailable
 from gateway.generation import EngineClientLike, Generation, Job
@@ -28,6 +29,7 @@ from gateway.structured import CallSyntax, structured_for, tool_choice_of
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calls import PARSERS, detect_parser, parser_for, template_messages
 from gateway.tool_parsers import MISTRAL_TOOL_CALLS, TOOL_CALL_END, TOOL_CALL_START
+from ipc.messages import LoadLoraAdapter, LoraAdapterResult, UnloadLoraAdapter
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTracer
@@ -63,6 +65,11 @@ class GatewaySettings:
     reasoning_parser: str | None = None
     resumable_streams: bool = False  # streams resumable unless a request says `resumable: false`
     stream_limits: StreamLimits = field(default_factory=StreamLimits)  # grace period, bounds
+    # LoRA (gateway/api/lora.py): the engines' --enable-lora and --lora-modules, and whether
+    # the load/unload routes are served
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         interval = self.sse_keepalive_interval
@@ -99,6 +106,9 @@ class Gateway:
         self._tokenizers: dict[str, Tokenizer] = {}
         self._syntax: dict[Path, CallSyntax] = {}  # per tokenizer directory
         self._unavailable = _engine_exception_types()
+        s = self.settings
+        self.loras = LoraRegistry.from_modules(s.enable_lora, s.lora_modules,
+                                               s.allow_runtime_lora_updating)
         self.tracer: RequestTracer | None = None
         if self.settings.otlp_traces_endpoint:
             from gateway.tracing import RequestTracer
@@ -143,7 +153,10 @@ class Gateway:
     # ---- requests ---------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> str:
+        """The model a request names: the served one (by default) or one of its adapters."""
         served = self.model_name or ""
+        if model in self.loras.paths:
+            return model  # type: ignore[return-value]
         if model not in (None, "", served):
             raise ApiError(404, f"the model `{model}` does not exist", "model_not_found", "model")
         return served
@@ -212,6 +225,7 @@ class Gateway:
             priority=request.priority,
             include_usage=request.include_usage,
             cache_salt=request.cache_salt,
+            lora_name=model if model in self.loras.paths else None,
             echo=self._echo_text(request, prompt_index),
             show_prompt_logprobs=request.prompt_logprobs is not None,
             tool_parser=tool_parser,
@@ -271,6 +285,17 @@ class Gateway:
             raise unavailable(f"the engine is not available: {exc}", "engine_unavailable") from None
         self.generations[job.request_id] = gen
         return gen
+
+    async def lora_request(self, msg: LoadLoraAdapter | UnloadLoraAdapter,
+                           timeout: float) -> LoraAdapterResult:
+        """The engines' answer to a LoRA load or unload (503 when they cannot answer)."""
+        try:
+            return await asyncio.wait_for(self.client.lora(msg), timeout)
+        except TimeoutError:
+            raise unavailable("the engine did not answer the LoRA request in time",
+                              "engine_unavailable") from None
+        except self._unavailable as exc:
+            raise unavailable(f"the engine is not available: {exc}", "engine_unavailable") from None
 
     def finished(self, gen: Generation) -> None:
         if self.generations.get(gen.job.request_id) is gen:

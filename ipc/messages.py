@@ -195,6 +195,7 @@ class LoraAdapterResult(_Msg, tag="lora_result"):
     request_id: str
     error: str | None = None  # None: done
     adapters: list[str] = []  # the adapters loaded after it
+    incarnation: str = ""
 
 
 FromEngine = EngineReady | StepOutputs | Heartbeat | EngineDead | LoraAdapterResult
