@@ -19,6 +19,7 @@ from gateway.api.anthropic_types import (
     StreamEvent,
     TokenCount,
 )
+from gateway.api.lora import LoadLoraRequest, UnloadLoraRequest
 from gateway.api.responses_types import (
     DeletedResponse,
     ResponseEvent,
@@ -84,7 +85,7 @@ class StreamCancelled(msgspec.Struct):
 
 REQUESTS = (ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest,
             TokenizeChatRequest, DetokenizeRequest, ResponsesRequest, MessagesRequest,
-            CountTokensRequest)
+            CountTokensRequest, LoadLoraRequest, UnloadLoraRequest)
 RESPONSES = (ChatCompletion, ChatCompletionChunk, Completion, ModelList, ErrorEnvelope, Health,
              Liveness, VersionInfo, Cancelled, ModelCard, TokenizeResponse, DetokenizeResponse,
              ResponseObject, ResponseEvent, DeletedResponse, MessageReply, TokenCount,
@@ -346,6 +347,22 @@ def _streams(refs: dict[str, Schema]) -> Schema:
     }
 
 
+def _lora(refs: dict[str, Schema]) -> Schema:
+    """vLLM's run-time LoRA routes (gateway/api/lora.py): 404 unless run-time updating is on."""
+    def post(operation_id: str, request: str, done: str) -> Schema:
+        return {"post": {
+            "operationId": operation_id, "security": BEARER,
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": refs[request]}}},
+            "responses": {"200": {"description": done, "content": {"text/plain": {
+                "schema": {"type": "string"}}}}, **_errors(refs, 400, 401, 404, 413, 503)}}}
+
+    return {"/v1/load_lora_adapter": post("loadLoraAdapter", "LoadLoraRequest",
+                                          "loaded on every engine"),
+            "/v1/unload_lora_adapter": post("unloadLoraAdapter", "UnloadLoraRequest",
+                                            "unloaded from every engine")}
+
+
 def _get(operation_id: str, responses: dict[str, Schema]) -> Schema:
     return {"get": {"operationId": operation_id, "responses": responses}}
 
@@ -406,6 +423,7 @@ def openapi_document() -> dict[str, Any]:
                 **_errors(refs, 401)}}},
         "/openapi.json": _get("openapi", {"200": _json({"type": "object"}, "this document")}),
         **_messages(refs, components),
+        **_lora(refs),
     }
     return {
         "openapi": "3.1.0",
