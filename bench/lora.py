@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.rounds):
             for name, loras in cases.items():
                 rates[name].append(_run(llm, prompts, loras, args.output_len))
+                print(f"  ran {name}: {rates[name][-1]:.1f} tok/s", flush=True)
     base = statistics.median(rates["base (no adapter)"])
     print(f"model {llm.engine.model_name} ({llm.engine.quantization}, cpu_linear "
           f"{llm.engine.cpu_linear}), {n} streams, {args.prompt_len} + {args.output_len} "
