@@ -349,18 +349,20 @@ def _streams(refs: dict[str, Schema]) -> Schema:
 
 def _lora(refs: dict[str, Schema]) -> Schema:
     """vLLM's run-time LoRA routes (gateway/api/lora.py): 404 unless run-time updating is on."""
-    def post(operation_id: str, request: str, done: str) -> Schema:
+    def post(operation_id: str, request: str, done: str, example: Schema) -> Schema:
         return {"post": {
             "operationId": operation_id, "security": BEARER,
             "requestBody": {"required": True, "content": {"application/json": {
-                "schema": refs[request]}}},
+                "schema": refs[request], "examples": {"sql": {"value": example}}}}},
             "responses": {"200": {"description": done, "content": {"text/plain": {
                 "schema": {"type": "string"}}}}, **_errors(refs, 400, 401, 404, 413, 503)}}}
 
-    return {"/v1/load_lora_adapter": post("loadLoraAdapter", "LoadLoraRequest",
-                                          "loaded on every engine"),
-            "/v1/unload_lora_adapter": post("unloadLoraAdapter", "UnloadLoraRequest",
-                                            "unloaded from every engine")}
+    return {"/v1/load_lora_adapter": post(
+                "loadLoraAdapter", "LoadLoraRequest", "loaded on every engine",
+                {"lora_name": "sql", "lora_path": "/adapters/sql"}),
+            "/v1/unload_lora_adapter": post(
+                "unloadLoraAdapter", "UnloadLoraRequest", "unloaded from every engine",
+                {"lora_name": "sql"})}
 
 
 def _get(operation_id: str, responses: dict[str, Schema]) -> Schema:
