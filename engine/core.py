@@ -20,6 +20,7 @@ from engine.models.config import ModelConfig
 from engine.models.loader import load_model, resolve_quantization
 from engine.models.pooling_config import pooling_info
 from engine.models.quant_linear import count_weights
+from engine.run.lora.slots import LoraLimits, LoraSlots
 from engine.run.runner import ModelRunner
 from engine.run.sampler import Sampler
 from engine.sched.kv_manager import KVCacheManager
@@ -161,7 +162,8 @@ class EngineCore:
         return Scheduler(
             SchedulerConfig(config.max_num_seqs, step_tokens, self.max_model_len,
                             _spec_config(config, self.model_config.num_layers),
-                            self.model_config.vocab_size),
+                            self.model_config.vocab_size,
+                            config.max_loras if config.enable_lora else None),
             self.kv,
             self.eos_token_ids,
             preemption,
@@ -171,10 +173,13 @@ class EngineCore:
                       model: torch.nn.Module, draft: torch.nn.Module | None,
                       ranks: Ranks | None) -> ModelRunner | TensorParallelRunner:
         sampler = Sampler(config.seed, self.device)
+        # NOTE: after packing and the fused paths: the adapters wrap whatever linears run
+        self.lora = _lora_slots(config, model, self.dtype, self.device)
         runner = ModelRunner(
             model, self.num_gpu_blocks, self.block_size, self.max_model_len, sampler,
             backend, self.device, self.kv_dtype, self.num_cpu_blocks,
             draft_layers=config.speculative_draft_layers, draft_model=draft,
+            lora=self.lora,
         )
         return runner if ranks is None else self._tensor_parallel(runner, ranks)
 
@@ -192,6 +197,24 @@ class EngineCore:
     def abort_choice(self, request_id: str, index: int) -> list[TokenDelta]:
         """Stop one choice of an n > 1 request (it matched a stop string); idempotent."""
         return self.scheduler.abort([request_id], index)
+
+    def load_lora(self, name: str, path: str) -> list[str]:
+        """Load a PEFT adapter under `name`; the adapters loaded. ValueError names the fault."""
+        if self.lora is None:
+            raise ValueError("LoRA is off: start the engine with --enable-lora")
+        self.lora.add(name, path)
+        return sorted(self.lora.paths)
+
+    def unload_lora(self, name: str) -> list[str]:
+        """Unload the adapter (its host copy and slot are freed); the adapters left."""
+        if self.lora is None or name not in self.lora.paths:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
+        lora_id = self.lora.id_of(name)
+        users = sum(r.lora_id == lora_id for g in self.scheduler.groups.values() for r in g)
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} running requests")
+        self.lora.remove(name)
+        return sorted(self.lora.paths)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -249,6 +272,7 @@ class EngineCore:
             grammar_failures=g.failures,
             grammar_compile_seconds_sum=g.compile_seconds_sum,
             grammar_compile_seconds_buckets=list(g.compile_seconds_buckets),
+            **_lora_stats(self.lora),
         )
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -306,11 +330,15 @@ class EngineCore:
                 f"prompt plus max_tokens needs {blocks} KV blocks; the pool has "
                 f"{self.num_gpu_blocks}"
             )
+        lora_id = self._lora_id(msg.lora_name)
+        salt = salt_bytes(msg.cache_salt, None if lora_id is None else f"{msg.lora_name}#{lora_id}")
         choices = [
             Request(msg.request_id, list(prompt), s, max_tokens, msg.priority,
-                    msg.arrival_time or time.time(), salt_bytes(msg.cache_salt), index=i)
+                    msg.arrival_time or time.time(), salt, index=i)
             for i in range(s.num_choices)
         ]
+        for c in choices:
+            c.lora_id = lora_id
         choices[0].children = choices[1:]
         if s.structured_outputs is not None:
             choices[0].pending_grammar = self.grammars.submit(s.structured_outputs)
@@ -338,6 +366,14 @@ class EngineCore:
         return Request(msg.request_id, list(prompt), s, 0, msg.priority,
                        msg.arrival_time or time.time())
 
+    def _lora_id(self, name: str | None) -> int | None:
+        if name is None:
+            return None
+        lora_id = None if self.lora is None else self.lora.id_of(name)
+        if lora_id is None:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
+        return lora_id
+
     def _num_blocks(self) -> int:
         if self.config.num_gpu_blocks is not None:
             return self.config.num_gpu_blocks
@@ -352,6 +388,26 @@ class EngineCore:
         if blocks < 1:
             raise ValueError("no memory left for the KV cache: raise the memory budget")
         return blocks
+
+
+def _lora_slots(config: EngineConfig, model, dtype: torch.dtype,
+                device: torch.device) -> LoraSlots | None:
+    """The adapters' slots (the model's linears wrapped) and --lora-modules loaded, or None."""
+    if not config.enable_lora:
+        return None
+    limits = LoraLimits(config.max_loras, config.max_lora_rank,
+                        config.max_cpu_loras or config.max_loras)
+    slots = LoraSlots(model, limits, dtype, device)
+    for name, path in config.lora_paths.items():
+        slots.add(name, path)
+    return slots
+
+
+def _lora_stats(lora: LoraSlots | None) -> dict[str, int]:
+    if lora is None:
+        return {}
+    return {"lora_adapters": len(lora.paths), "lora_slots_total": lora.limits.max_loras,
+            "lora_slots_used": lora.num_slots_used, "lora_cpu_bytes": lora.cpu_bytes}
 
 
 def _lltokenizer(directory: str, vocab_size: int, eos_token_ids: list[int]):

@@ -81,14 +81,19 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. Bad input raises ValueError before anything runs."""
+        """One output per prompt, in order. Bad input raises ValueError before anything runs.
+        lora: the loaded LoRA adapter each prompt runs under (one name for all; None: base)."""
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         if not prompt_list:
             raise ValueError("prompts must not be empty")
         params = _broadcast(sampling_params, len(prompt_list))
+        loras = [lora] * len(prompt_list) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompt_list):
+            raise ValueError("lora: one adapter name (or None) per prompt")
         results = [self._result(p, s) for p, s in zip(prompt_list, params, strict=True)]
-        self._submit(results, params)
+        self._submit(results, params, loras)
         live = {(c.output.request_id, c.choice.index): c for r in results for c in r.trackers}
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
@@ -116,14 +121,16 @@ class LLM:
         out = RequestOutput(str(next(self._ids)), text, ids, [])
         return _Result(out, params, self.tokenizer)
 
-    def _submit(self, results: list[_Result], params: list[SamplingParams]) -> None:
+    def _submit(self, results: list[_Result], params: list[SamplingParams],
+                loras: list[str | None]) -> None:
         added: list[str] = []
         try:
-            for r, p in zip(results, params, strict=True):
+            for r, p, lora in zip(results, params, loras, strict=True):
                 self.engine.add_request(AddRequest(
                     request_id=r.output.request_id,
                     prompt_token_ids=r.output.prompt_token_ids,
                     sampling=p,
+                    lora_name=lora,
                 ))
                 added.append(r.output.request_id)
         except ValueError:

@@ -28,10 +28,13 @@ from ipc.messages import (
     EngineStats,
     FromEngine,
     Heartbeat,
+    LoadLoraAdapter,
+    LoraAdapterResult,
     Shutdown,
     StepOutputs,
     ToEngine,
     TokenDelta,
+    UnloadLoraAdapter,
 )
 from ipc.pooling import PoolingInfo
 from ipc.prefix_hash import pack_digest
@@ -67,6 +70,8 @@ class Core(Protocol):
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> EngineStats: ...
     def cached_block_hashes(self) -> list[bytes]: ...  # the prefix cache's ([]: none)
+    def load_lora(self, name: str, path: str) -> list[str]: ...
+    def unload_lora(self, name: str) -> list[str]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +170,23 @@ class EngineLoop:
             case Shutdown(timeout=timeout):
                 self.request_shutdown(timeout)
                 return []
+            case LoadLoraAdapter() | UnloadLoraAdapter():
+                self._send(self._lora(msg))
+                return []
+
+    def _lora(self, msg: LoadLoraAdapter | UnloadLoraAdapter) -> LoraAdapterResult:
+        # NOTE: on the busy loop between steps: reading an adapter is short, and the step
+        # must not see the slots change under it
+        try:
+            if isinstance(msg, LoadLoraAdapter):
+                names = self._core.load_lora(msg.lora_name, msg.lora_path)
+            else:
+                names = self._core.unload_lora(msg.lora_name)
+        except ValueError as exc:
+            return LoraAdapterResult(request_id=msg.request_id, error=str(exc),
+                                     incarnation=self._incarnation)
+        return LoraAdapterResult(request_id=msg.request_id, adapters=names,
+                                 incarnation=self._incarnation)
 
     def _add(self, msg: AddRequest) -> list[TokenDelta]:
         if self._deadline is not None:

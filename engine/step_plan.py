@@ -60,6 +60,7 @@ class NewRequest(msgspec.Struct, frozen=True, gc=False):
     # the tokens that end it (EOS unless ignore_eos, and stop_token_ids), sorted: the scheduler
     # stops on them; the sampler bans them before min_tokens
     end_token_ids: list[int] = []
+    lora: int | None = None  # its LoRA adapter's id (engine/run/lora), None: the base model
 
 
 class CachedRequest(msgspec.Struct, frozen=True, gc=False):

@@ -23,6 +23,7 @@ from starlette.staticfiles import StaticFiles
 from gateway.api.anthropic_errors import anthropic_error_response, is_messages_path
 from gateway.api.anthropic_messages import messages_routes
 from gateway.api.embeddings import EmbeddingsApi
+from gateway.api.lora import LoraRoutes, adapter_cards
 from gateway.api.model_management import model_cards, model_routes
 from gateway.api.openai_responses import ResponsesRoutes
 from gateway.api.rerank import RerankApi
@@ -78,8 +79,9 @@ class Handlers:
         gw, info = self.gw, self.gw.client.info
         if gw.model_name is None:
             return []
-        return [ModelCard(gw.model_name, int(time.time()),
-                          max_model_len=info.max_model_len if info else None)]
+        max_len = info.max_model_len if info else None
+        return [ModelCard(gw.model_name, int(time.time()), max_model_len=max_len),
+                *adapter_cards(gw.loras, gw.model_name, max_len)]
 
     async def models(self, request: Request) -> Response:
         return json_response(ModelList(self._cards()))
@@ -290,6 +292,7 @@ def build_app(client: EngineClientLike, settings: GatewaySettings | None = None,
         *model_routes(gw),
         Route("/v1/embeddings", EmbeddingsApi(gw).create, methods=["POST"]),
         *RerankApi(gw).routes(),  # /v1/rerank, /rerank, /v2/rerank, /score, /v1/score
+        *LoraRoutes(gw).routes(),
         Route("/v1/requests/{request_id}/cancel", h.cancel, methods=["POST"]),
         Route("/v1/streams/{stream_id}", streams.resume, methods=["GET"]),
         Route("/v1/streams/{stream_id}", streams.cancel, methods=["DELETE"]),

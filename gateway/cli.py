@@ -66,6 +66,9 @@ def _add_http_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                        help="require `Authorization: Bearer <key>` on /v1 "
                             "(default: $PAGEDSERVE_API_KEY, else no auth)")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                            "(also on with $VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
     group.add_argument("--max-queued-requests", type=int, default=None,
                        help="answer 503 + Retry-After beyond this many requests the engine "
                             "has not scheduled yet (its queue, plus those on their way to it)")
@@ -262,6 +265,8 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
     origins = tuple(o.strip() for o in ns.allowed_origins.split(",") if o.strip())
     return GatewaySettings(
         api_key=ns.api_key or None, max_queued_requests=ns.max_queued_requests,
+        enable_lora=ns.enable_lora, lora_modules=tuple(ns.lora_modules),
+        allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
         allowed_origins=origins, max_body_bytes=ns.max_body_bytes,
         otlp_traces_endpoint=ns.otlp_traces_endpoint or None,
         sse_keepalive_interval=ns.sse_keepalive_interval,

@@ -29,9 +29,13 @@ from ipc.messages import (
     EngineStats,
     FromEngine,
     Heartbeat,
+    LoadLoraAdapter,
+    LoraAdapterResult,
     Shutdown,
     StepOutputs,
+    ToEngine,
     TokenDelta,
+    UnloadLoraAdapter,
 )
 from ipc.transport import GatewaySockets
 
@@ -131,6 +135,8 @@ class EngineClient:
         self._launched_at = 0.0
         self._last_seen = 0.0
         self._streams: dict[str, RequestStream] = {}
+        # LoRA load/unload requests waiting for the engine's LoraAdapterResult, by request id
+        self._lora_waiters: dict[str, asyncio.Future[LoraAdapterResult]] = {}
         self._pending_aborts: list[str] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._first_ready: asyncio.Future[None] | None = None
@@ -240,6 +246,18 @@ class EngineClient:
         if request_id in self._streams and self._identity is not None:
             self._send(AbortRequests(request_ids=[request_id], index=index))
 
+    async def lora(self, msg: LoadLoraAdapter | UnloadLoraAdapter) -> LoraAdapterResult:
+        """Load or unload a LoRA adapter in the engine; its answer."""
+        if not self.ready or self._identity is None:
+            raise EngineUnavailableError(self.last_error or "engine is not ready")
+        waiter = asyncio.get_running_loop().create_future()
+        self._lora_waiters[msg.request_id] = waiter
+        self._send(msg)
+        try:
+            return await waiter
+        finally:
+            self._lora_waiters.pop(msg.request_id, None)
+
     def _close_stream(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
             self._queue_abort(request_id)
@@ -256,7 +274,7 @@ class EngineClient:
         if ids and self._identity is not None:
             self._send(AbortRequests(request_ids=ids))
 
-    def _send(self, msg: AddRequest | AbortRequests | Shutdown) -> None:
+    def _send(self, msg: ToEngine) -> None:
         assert self._sockets is not None and self._identity is not None
         self._sockets.send(self._identity, msg)
 
@@ -316,6 +334,10 @@ class EngineClient:
                 self._on_death(msg.incarnation, reason, kill_after=5.0)
             case EngineReady():
                 log.warning("EngineReady on the output socket ignored")
+            case LoraAdapterResult(request_id=rid):
+                waiter = self._lora_waiters.get(rid)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(msg)
 
     def _seen(self, stats: EngineStats | None) -> None:
         self._last_seen = time.monotonic()
@@ -370,6 +392,9 @@ class EngineClient:
             self._spawn_task(self._restart_later())
 
     def _fail_all(self, error: str) -> None:
+        for waiter in self._lora_waiters.values():
+            if not waiter.done():
+                waiter.set_exception(EngineUnavailableError(error))
         streams, self._streams = self._streams, {}
         for rid, stream in streams.items():
             stream._put(TokenDelta(request_id=rid, finish_reason=FINISH_ERROR, error=error))

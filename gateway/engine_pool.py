@@ -18,7 +18,16 @@ from gateway.engine_client import EngineClient, EngineUnavailableError, RequestS
 from gateway.engine_sockets import SocketPump, ready_within
 from ipc.config import EngineConfig
 from ipc.engine_timeouts import EngineTimeouts
-from ipc.messages import AddRequest, EngineReady, EngineStats, FromEngine, Heartbeat
+from ipc.messages import (
+    AddRequest,
+    EngineReady,
+    EngineStats,
+    FromEngine,
+    Heartbeat,
+    LoadLoraAdapter,
+    LoraAdapterResult,
+    UnloadLoraAdapter,
+)
 from ipc.prefix_hash import DIGEST_BYTES, prompt_block_hashes, unpack_digest
 from ipc.transport import GatewaySockets
 
@@ -158,6 +167,15 @@ class EnginePool:
     def abort_choice(self, request_id: str, index: int) -> None:
         for m in self.members:
             m.client.abort_choice(request_id, index)  # NOTE: as abort
+
+    async def lora(self, msg: LoadLoraAdapter | UnloadLoraAdapter) -> LoraAdapterResult:
+        """Load or unload an adapter on every live engine; the first refusal, else the last
+        answer. NOTE: replicas read the same directory, so they refuse alike."""
+        live = [m.client for m in self.members if m.client.ready]
+        if not live:
+            raise EngineUnavailableError(self.last_error or "no engine is ready")
+        results = await asyncio.gather(*(c.lora(msg) for c in live))
+        return next((r for r in results if r.error is not None), results[-1])
 
     # ---- lifecycle ----------------------------------------------------------------------
 

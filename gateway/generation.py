@@ -24,9 +24,12 @@ from ipc.messages import (
     AddRequest,
     EngineReady,
     EngineStats,
+    LoadLoraAdapter,
+    LoraAdapterResult,
     PositionLogprobs,
     RequestMetrics,
     TokenDelta,
+    UnloadLoraAdapter,
 )
 from ipc.sampling import SamplingParams
 from ipc.text import ChoiceText
@@ -57,6 +60,8 @@ class EngineClientLike(Protocol):
 
     def abort_choice(self, request_id: str, index: int) -> None: ...
 
+    async def lora(self, msg: LoadLoraAdapter | UnloadLoraAdapter) -> LoraAdapterResult: ...
+
 
 class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
@@ -74,6 +79,7 @@ class Job:
     priority: int = 0
     include_usage: bool = False
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
+    lora_name: str | None = None  # the LoRA adapter its `model` named (None: the base model)
     arrival: float = field(default_factory=time.time)
     trace_headers: dict[str, str] = field(default_factory=dict)  # traceparent of the caller
     created: int = field(default_factory=lambda: int(time.time()))
@@ -141,6 +147,7 @@ class Generation:
                 priority=job.priority,
                 arrival_time=job.arrival,
                 cache_salt=job.cache_salt,
+                lora_name=job.lora_name,
             )
         )
         # the timeline (time.time()): scheduled is the engine's, the rest the gateway's

@@ -53,6 +53,13 @@ _ENGINE_METRICS = (
      "Requests that waited for their grammar to compile", "grammar_waits"),
     (CounterMetricFamily, "pagedserve_grammar_failures",
      "Grammars the engine refused or could not compile in time", "grammar_failures"),
+    (GaugeMetricFamily, "pagedserve_lora_adapters", "LoRA adapters loaded", "lora_adapters"),
+    (GaugeMetricFamily, "pagedserve_lora_slots_used", "LoRA device slots holding an adapter",
+     "lora_slots_used"),
+    (GaugeMetricFamily, "pagedserve_lora_slots_total", "LoRA device slots (max_loras)",
+     "lora_slots_total"),
+    (GaugeMetricFamily, "pagedserve_lora_cpu_bytes",
+     "Host bytes of the LoRA adapters read (the max_cpu_loras cache)", "lora_cpu_bytes"),
 )
 
 

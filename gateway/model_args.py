@@ -61,6 +61,11 @@ def check_model_args(ns: argparse.Namespace) -> None:
                          "(or --enable-model-management) each gets its own sockets")
     if ns.nnodes > 1 or ns.headless:
         raise ValueError("--nnodes > 1 serves one model (start one server per model)")
+    if ns.enable_lora or any(s.config.enable_lora for s in specs):
+        # NOTE: an adapter's requests would need its parent's pool (ModelRegistry.add_alias)
+        # and /v1/models its card per model: not built yet, so refused rather than half-served
+        raise ValueError("--enable-lora serves the adapters of one model: with several models "
+                         "(or --enable-model-management) start one server per adapted model")
     if ns.enable_model_management and not ns.api_key:
         log.warning("--enable-model-management without --api-key: anyone who reaches the "
                     "port can load and unload models")

@@ -20,6 +20,7 @@ from gateway.api.anthropic_types import (
     TokenCount,
 )
 from gateway.api.embeddings import EmbeddingRequest, EmbeddingResponse
+from gateway.api.lora import LoadLoraRequest, UnloadLoraRequest
 from gateway.api.model_management import openapi_paths as model_paths
 from gateway.api.rerank import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse
 from gateway.api.responses_types import (
@@ -89,7 +90,8 @@ class StreamCancelled(msgspec.Struct):
 
 REQUESTS = (ChatCompletionRequest, CompletionRequest, TokenizeCompletionRequest,
             TokenizeChatRequest, DetokenizeRequest, ResponsesRequest, MessagesRequest,
-            CountTokensRequest, EmbeddingRequest, RerankRequest, ScoreRequest)
+            CountTokensRequest, EmbeddingRequest, RerankRequest, ScoreRequest,
+            LoadLoraRequest, UnloadLoraRequest)
 RESPONSES = (ChatCompletion, ChatCompletionChunk, Completion, ModelList, ErrorEnvelope, Health,
              Liveness, VersionInfo, Cancelled, ModelCard, TokenizeResponse, DetokenizeResponse,
              ResponseObject, ResponseEvent, DeletedResponse, MessageReply, TokenCount,
@@ -384,6 +386,24 @@ def _pooling(refs: dict[str, Schema]) -> dict[str, Schema]:
     return paths
 
 
+def _lora(refs: dict[str, Schema]) -> Schema:
+    """vLLM's run-time LoRA routes (gateway/api/lora.py): 404 unless run-time updating is on."""
+    def post(operation_id: str, request: str, done: str, example: Schema) -> Schema:
+        return {"post": {
+            "operationId": operation_id, "security": BEARER,
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": refs[request], "examples": {"sql": {"value": example}}}}},
+            "responses": {"200": {"description": done, "content": {"text/plain": {
+                "schema": {"type": "string"}}}}, **_errors(refs, 400, 401, 404, 413, 503)}}}
+
+    return {"/v1/load_lora_adapter": post(
+                "loadLoraAdapter", "LoadLoraRequest", "loaded on every engine",
+                {"lora_name": "sql", "lora_path": "/adapters/sql"}),
+            "/v1/unload_lora_adapter": post(
+                "unloadLoraAdapter", "UnloadLoraRequest", "unloaded from every engine",
+                {"lora_name": "sql"})}
+
+
 def _get(operation_id: str, responses: dict[str, Schema]) -> Schema:
     return {"get": {"operationId": operation_id, "responses": responses}}
 
@@ -451,6 +471,7 @@ def _ops_paths(refs: dict[str, Schema]) -> dict[str, Schema]:
                 **_errors(refs, 401)}}},
         "/openapi.json": _get("openapi", {"200": _json({"type": "object"}, "this document")}),
         **_pooling(refs),
+        **_lora(refs),
     }
 
 

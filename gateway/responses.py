@@ -169,6 +169,8 @@ class ModelCard(msgspec.Struct):
     owned_by: str = "pagedserve"
     max_model_len: int | None = None
     object: Literal["model"] = "model"
+    root: str | None = None  # vLLM's: a LoRA adapter's directory
+    parent: str | None = None  # vLLM's: a LoRA adapter's base model
 
 
 class TokenizeResponse(msgspec.Struct):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from gateway.api.lora import LoraRegistry
 from gateway.chunks import TokenNamer
 from gateway.errors import ApiError, unavailable
 from gateway.generation import EngineClientLike, Generation, Job, RequestStreamLike
@@ -32,7 +33,7 @@ from gateway.tools.prompt import template_messages
 from gateway.tools.registry import PARSERS, CallSyntax, detect_parser, format_for
 from gateway.validate import check_limits, fill_max_tokens, to_sampling
 from ipc.limits import Limits
-from ipc.messages import AddRequest
+from ipc.messages import AddRequest, LoadLoraAdapter, LoraAdapterResult, UnloadLoraAdapter
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTracer
@@ -69,6 +70,11 @@ class GatewaySettings:
     resumable_streams: bool = False  # streams resumable unless a request says `resumable: false`
     stream_limits: StreamLimits = field(default_factory=StreamLimits)  # grace period, bounds
     model_management: bool = False  # POST /models/load and /models/unload allowed
+    # LoRA (gateway/api/lora.py): the engines' --enable-lora and --lora-modules, and whether
+    # the load/unload routes are served
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         interval = self.sse_keepalive_interval
@@ -110,6 +116,9 @@ class Gateway:
         self._tokenizers: dict[str, Tokenizer] = {}
         self._syntax: dict[Path, CallSyntax] = {}  # per tokenizer directory
         self._unavailable = _engine_exception_types()
+        s = self.settings
+        self.loras = LoraRegistry.from_modules(s.enable_lora, s.lora_modules,
+                                               s.allow_runtime_lora_updating)
         self.tracer: RequestTracer | None = None
         if self.settings.otlp_traces_endpoint:
             from gateway.tracing import RequestTracer
@@ -168,7 +177,10 @@ class Gateway:
     # ---- requests ---------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> str:
+        """The model a request names: the served one (by default) or one of its adapters."""
         served = self.model_name or ""
+        if model in self.loras.paths:
+            return model  # type: ignore[return-value]
         if model not in (None, "", served, self._served_as):
             raise ApiError(404, f"the model `{model}` does not exist", "model_not_found", "model")
         return self._served_as or served
@@ -244,6 +256,7 @@ class Gateway:
             priority=request.priority,
             include_usage=request.include_usage,
             cache_salt=request.cache_salt,
+            lora_name=model if model in self.loras.paths else None,
             echo=self._echo_text(request, prompt_index),
             show_prompt_logprobs=request.prompt_logprobs is not None,
             tool_parser=tool_parser,
@@ -305,6 +318,17 @@ class Gateway:
             raise unavailable(f"the engine is not available: {exc}", "engine_unavailable") from None
         self.generations[job.request_id] = gen
         return gen
+
+    async def lora_request(self, msg: LoadLoraAdapter | UnloadLoraAdapter,
+                           timeout: float) -> LoraAdapterResult:
+        """The engines' answer to a LoRA load or unload (503 when they cannot answer)."""
+        try:
+            return await asyncio.wait_for(self.client.lora(msg), timeout)
+        except TimeoutError:
+            raise unavailable("the engine did not answer the LoRA request in time",
+                              "engine_unavailable") from None
+        except self._unavailable as exc:
+            raise unavailable(f"the engine is not available: {exc}", "engine_unavailable") from None
 
     def submit(self, msg: AddRequest) -> RequestStreamLike:
         """Send a request whose deltas the caller reads itself (pooling requests: one

@@ -170,6 +170,19 @@ class EngineConfig:
                                         "default: the checkpoint's sentence-transformers "
                                         "config, else last", "choices": POOLING_METHODS}
     )
+    # ---- LoRA adapters (vLLM's flags; engine/run/lora) ----
+    enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters per "
+                                                               "request (chosen by `model`)"})
+    lora_modules: tuple[str, ...] = field(
+        default=(), metadata={"help": "adapters loaded at start, as name=path (a PEFT "
+                                      "directory) ... (default: none)", "nargs": "+"}
+    )
+    max_loras: int = field(default=1, metadata={"help": "adapters in one step (device slots)"})
+    max_lora_rank: int = field(default=16, metadata={"help": "largest adapter rank accepted"})
+    max_cpu_loras: int | None = field(
+        default=None, metadata={"help": "adapters kept read in host memory, the rest are read "
+                                        "again from disk (default: max_loras)"}
+    )
 
     def __post_init__(self) -> None:
         if self.pooling not in (None, *POOLING_METHODS):
@@ -221,6 +234,29 @@ class EngineConfig:
             raise ValueError("swap_space must be >= 0")
         if self.preemption_mode not in _PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {_PREEMPTION_MODES}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        _positive(self, "max_loras", "max_lora_rank")
+        _positive_or_none(self, "max_cpu_loras")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        for entry in self.lora_modules:
+            name, _, path = entry.partition("=")
+            if not name or not path:
+                raise ValueError(f"lora_modules: {entry!r} is not name=path")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora does not run with tensor parallelism yet")
+        if self.enable_lora and self.speculative_method is not None:
+            raise ValueError("enable_lora does not run with speculative decoding yet (the "
+                             "draft would propose without the adapter)")
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """lora_modules as name -> path."""
+        return dict(entry.partition("=")[::2] for entry in self.lora_modules)
 
     def _check_nodes(self) -> None:
         if not 0 <= self.node_rank < self.nnodes:
@@ -254,6 +290,8 @@ class EngineConfig:
                 continue
             if isinstance(value, bool):
                 args.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+            elif isinstance(value, tuple):
+                args += [_flag(f.name), *value]
             else:
                 args += [_flag(f.name), str(value)]
         return args
@@ -270,6 +308,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(_flag(f.name), dest=f.name, default=f.default, help=help_text,
                                action=argparse.BooleanOptionalAction)
             continue
+        if "nargs" in f.metadata:  # NOTE: a tuple of strings: `--lora-modules a=x b=y`
+            group.add_argument(_flag(f.name), dest=f.name, default=f.default, help=help_text,
+                               nargs=f.metadata["nargs"])
+            continue
         kind = _base_type(f.type)
         group.add_argument(
             _flag(f.name), dest=f.name, type=kind, default=f.default,
@@ -278,7 +320,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(ns, f.name) for f in fields(EngineConfig)})
+    values = {f.name: getattr(ns, f.name) for f in fields(EngineConfig)}
+    return EngineConfig(**{k: tuple(v) if isinstance(v, list) else v
+                           for k, v in values.items()})
 
 
 def _flag(name: str) -> str:

@@ -35,6 +35,7 @@ class AddRequest(_Msg, tag="add"):
     priority: int = 0  # lower runs first (as in vLLM)
     arrival_time: float = 0.0  # time.time() at the gateway
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
+    lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 class AbortRequests(_Msg, tag="abort"):
@@ -48,7 +49,20 @@ class Shutdown(_Msg, tag="shutdown"):
     timeout: float = 0.0
 
 
-ToEngine = AddRequest | AbortRequests | Shutdown
+class LoadLoraAdapter(_Msg, tag="load_lora"):
+    """Read the PEFT directory `lora_path` as adapter `lora_name`; answered by LoraAdapterResult."""
+
+    request_id: str  # names the answer
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapter(_Msg, tag="unload_lora"):
+    request_id: str
+    lora_name: str
+
+
+ToEngine = AddRequest | AbortRequests | Shutdown | LoadLoraAdapter | UnloadLoraAdapter
 
 
 # ---- engine -> gateway -----------------------------------------------------------------
@@ -139,6 +153,10 @@ class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     grammar_compile_seconds_sum: float = 0.0
     # cumulative compiles per GRAMMAR_COMPILE_BUCKETS bound (<=), the last entry is +Inf
     grammar_compile_seconds_buckets: list[int] = []
+    lora_adapters: int = 0  # LoRA adapters loaded (servable by name)
+    lora_slots_total: int = 0  # device slots (max_loras); 0: LoRA off
+    lora_slots_used: int = 0  # of those, holding an adapter
+    lora_cpu_bytes: int = 0  # host bytes of the adapters read (the max_cpu_loras cache)
 
 
 class EngineReady(_Msg, tag="ready"):
@@ -175,4 +193,13 @@ class EngineDead(_Msg, tag="dead"):
     incarnation: str = ""
 
 
-FromEngine = EngineReady | StepOutputs | Heartbeat | EngineDead
+class LoraAdapterResult(_Msg, tag="lora_result"):
+    """The answer to LoadLoraAdapter / UnloadLoraAdapter of the same request_id."""
+
+    request_id: str
+    error: str | None = None  # None: done
+    adapters: list[str] = []  # the adapters loaded after it
+    incarnation: str = ""
+
+
+FromEngine = EngineReady | StepOutputs | Heartbeat | EngineDead | LoraAdapterResult

@@ -21,9 +21,12 @@ def hash_block(parent: BlockHash | None, token_ids: list[int], extra: bytes = b"
     return h.digest()
 
 
-def salt_bytes(cache_salt: str | None) -> bytes:
-    """The extra key a request's cache_salt adds to each of its block hashes."""
-    return (cache_salt or "").encode()
+def salt_bytes(cache_salt: str | None, adapter: str | None = None) -> bytes:
+    """The extra key a request adds to each of its block hashes: its cache_salt, and its LoRA
+    adapter (named with its load id, so that an adapter unloaded and loaded again under its
+    name never meets the old one's KV): the same prompt under two adapters shares no block."""
+    salt = (cache_salt or "").encode()
+    return salt if adapter is None else salt + f"\x00lora:{adapter}".encode()
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_size: int,

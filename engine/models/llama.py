@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.run.forward_context import get_forward_context
+from engine.run.forward_context import get_forward_context, lora_active
 from kernels.cpu import ops as cpu_ops
 
 
@@ -210,7 +210,7 @@ class MLP(nn.Module):
         self.fused: FusedMLP | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and self.fused.fits(x):
+        if self.fused is not None and not lora_active() and self.fused.fits(x):
             return self.fused(x)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
@@ -303,7 +303,7 @@ class LlamaForCausalLM(nn.Module):
         assert self.rope is not None, "call init_rope() first"
         x = self.embed(input_ids)
         stack = self.decode_stack
-        if stack is not None and stack.fits(x, positions, num_layers):
+        if stack is not None and not lora_active() and stack.fits(x, positions, num_layers):
             return stack(x, positions, self.rope, num_layers)
         rope = self.rope.lookup(positions, x.dtype, self.fused_cpu_ops)
         local = rope if self.local_rope is None else self.local_rope.lookup(

@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels import AttentionMetadata, Backend
+
+if TYPE_CHECKING:
+    from engine.run.lora.layers import LoraBatch
 
 
 @dataclass
@@ -16,6 +20,7 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
     backend: Backend  # has write_kv() and paged_attention()
+    lora: LoraBatch | None = None  # this step's rows with a LoRA adapter (engine/run/lora)
 
 
 _current: ForwardContext | None = None
@@ -34,3 +39,9 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
 def get_forward_context() -> ForwardContext:
     assert _current is not None, "model forward called outside forward_context()"
     return _current
+
+
+def lora_active() -> bool:
+    """This step has rows with a LoRA adapter: the fused paths that bypass the linears (the
+    one-call decode stack, the fused quantized MLP) must leave it to the per-layer path."""
+    return _current is not None and _current.lora is not None

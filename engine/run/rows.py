@@ -22,6 +22,7 @@ class Row:
         self.generator = generator  # its own (seeded) generator, or None: the shared one
         self.num_computed_tokens = new.num_computed_tokens
         self.end_token_ids = new.end_token_ids  # EOS and stop_token_ids unless ignore_eos
+        self.lora = new.lora  # its LoRA adapter's id, None: the base model
         self.num_blocks = 0  # entries of its block table
         # this step's: the drafts it verifies, their draft probabilities ([gamma, vocab],
         # None for a one-hot draft), and its grammar's int32 bitmask [rows, words]

@@ -13,6 +13,7 @@ import torch
 from engine.allocator import untouched_zeros
 from engine.models.llama import LlamaForCausalLM
 from engine.run.forward_context import ForwardContext, forward_context
+from engine.run.lora.slots import LoraSlots
 from engine.run.pooling import Pooler
 from engine.run.rows import Row, RowStates
 from engine.run.sampler import Sampler, position_logprobs
@@ -48,8 +49,10 @@ class ModelRunner:
         num_cpu_blocks: int = 0,
         draft_layers: int | None = None,
         draft_model: LlamaForCausalLM | None = None,
+        lora: LoraSlots | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # the adapters' slots, when LoRA is on (engine/run/lora)
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.sampler = sampler
@@ -97,7 +100,8 @@ class ModelRunner:
         items = [(r, (r.token_ids + r.spec_token_ids)[r.num_computed_tokens:][:counts[r.key]])
                  for r in rows]
         input_ids, positions, meta, last = self._prepare(items)
-        with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
+        lora = None if self.lora is None else self.lora.batch((r.lora, len(t)) for r, t in items)
+        with forward_context(ForwardContext(meta, self.kv_caches, self.backend, lora)):
             hidden = self.model(input_ids, positions)
         if self.draft.own_cache:  # NOTE: the draft model computes what the target did
             with forward_context(ForwardContext(meta, self.draft.kv_caches, self.backend)):

@@ -26,7 +26,7 @@ class RunnerMirror:
             table = list(self.kv.table(key))
             plan.new_requests.append(NewRequest(
                 key, list(req.all_token_ids), req.num_prompt_tokens, req.sampling, req.seed,
-                table, req.num_computed_tokens, sorted(req.end_token_ids)))
+                table, req.num_computed_tokens, sorted(req.end_token_ids), req.lora_id))
             self._tables[key] = table
         else:
             plan.cached_requests.append(CachedRequest(

@@ -86,6 +86,7 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks so far
         self.cache_salt = cache_salt  # extra key: only requests with the same salt share blocks
+        self.lora_id: int | None = None  # its LoRA adapter (engine/run/lora), None: the base model
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.scheduled_time: float | None = None  # time.time() of the first admission
         self.cumulative_logprob = 0.0  # sum of the sampled tokens' logprobs (best_of, beams)

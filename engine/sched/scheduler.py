@@ -19,6 +19,7 @@ from engine.sched import beams
 from engine.sched.deltas import beam_deltas, delta
 from engine.sched.grammar import Grammars
 from engine.sched.kv_manager import KVCacheManager, held
+from engine.sched.lora import lora_fits
 from engine.sched.mirror import RunnerMirror
 from engine.sched.preemption import SWAP, PreemptionCost, PreemptionStats
 from engine.sched.request import Request, RequestStatus
@@ -43,6 +44,7 @@ class SchedulerConfig:
     max_model_len: int
     spec: SpecConfig | None = None
     vocab_size: int | None = None  # the logits' width: grammar masks need it
+    max_loras: int | None = None  # distinct LoRA adapters running at once (None: LoRA off)
 
 
 class Scheduler:
@@ -211,6 +213,8 @@ class Scheduler:
     def _swap_in(self, plan: StepPlan, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
+            if not lora_fits(req, self.running, self.config.max_loras):
+                break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             blocks = len(held(self.kv.cpu_block_ids(req.key)))
             if self.kv.blocks_to_swap_in(req, n) > self.kv.num_free_blocks:
@@ -231,6 +235,8 @@ class Scheduler:
             width = 1 + len(req.children)  # forked choices will run too
             if len(self.running) + width > self.config.max_num_seqs and self.running:
                 break
+            if not lora_fits(req, self.running, self.config.max_loras):
+                break  # NOTE: in order: it waits for a running adapter to finish
             # NOTE: prompt logprobs need every prompt position's logits: no cached prefix
             wants_prompt = req.prompt_logprobs is not None and not req.prompt_logprobs_sent
             # NOTE: and pooling needs every prompt position's hidden state (mean, cls)

@@ -18,9 +18,10 @@ from starlette.responses import Response
 from gateway.body import read_body
 from gateway.errors import ApiError
 from gateway.generation import RequestStreamLike
-from gateway.protocol import Int32, PosInt, TokenId, decode_body
+from gateway.requests import Int32, PosInt, TokenId
 from gateway.service import Gateway
 from gateway.streaming import DisconnectAwareResponse, json_response
+from gateway.validate import decode_body
 from ipc.messages import FINISH_ERROR, AddRequest
 from ipc.pooling import PoolingInfo, PoolingParams
 from ipc.sampling import SamplingParams

@@ -23,9 +23,10 @@ from gateway.api.embeddings import (
 )
 from gateway.body import read_body
 from gateway.errors import ApiError
-from gateway.protocol import Int32, NonNegInt, decode_body
+from gateway.requests import Int32, NonNegInt
 from gateway.service import Gateway
 from gateway.streaming import DisconnectAwareResponse, json_response
+from gateway.validate import decode_body
 from ipc.pooling import PoolingParams
 
 

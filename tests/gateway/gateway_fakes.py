@@ -13,10 +13,13 @@ from ipc.messages import (
     AddRequest,
     EngineReady,
     EngineStats,
+    LoadLoraAdapter,
+    LoraAdapterResult,
     PositionLogprobs,
     RequestMetrics,
     TokenDelta,
     TokenLogprob,
+    UnloadLoraAdapter,
 )
 from ipc.pooling import PoolingInfo
 
@@ -78,6 +81,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.aborted_choices: list[tuple[str, int]] = []
         self.streams: dict[str, FakeStream] = {}
+        self.lora_names: set[str] = set()  # adapters loaded through lora()
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     @property
@@ -87,6 +91,14 @@ class FakeEngine:
     @property
     def num_inflight(self) -> int:
         return len(self._tasks)
+
+    async def lora(self, msg: LoadLoraAdapter | UnloadLoraAdapter) -> LoraAdapterResult:
+        """Accepts every load and unload (a real engine reads the directory)."""
+        if isinstance(msg, LoadLoraAdapter):
+            self.lora_names.add(msg.lora_name)
+        else:
+            self.lora_names.discard(msg.lora_name)
+        return LoraAdapterResult(request_id=msg.request_id, adapters=sorted(self.lora_names))
 
     def submit(self, msg: AddRequest) -> FakeStream:
         if not self.ready:

@@ -133,8 +133,13 @@ def _models_app(fake_engine: FakeEngine, tokenizer_dir: Path) -> Starlette:
 async def test_fuzz_against_the_document(fake_engine: FakeEngine, tokenizer_dir: Path,
                                          label: str) -> None:
     fake_engine.interval = 0.0
-    app = _models_app(fake_engine, tokenizer_dir) if " /models" in label \
-        else build_app(fake_engine)
+    # NOTE: the LoRA routes answer 404 unless run-time updating is on; "sql" is there to unload
+    lora = GatewaySettings(enable_lora=True, allow_runtime_lora_updating=True,
+                           lora_modules=("sql=/adapters/sql",))
+    if " /models" in label:
+        app = _models_app(fake_engine, tokenizer_dir)
+    else:
+        app = build_app(fake_engine, lora if "lora_adapter" in label else None)
     async with serve(app) as url, httpx.AsyncClient(base_url=url) as http:
         running = None
         if "{request_id}" in label:  # a request for the explicit case to cancel

@@ -1,0 +1,47 @@
+"""The per-row LoRA delta: a linear wrapped so that each row group of a step adds its adapter's
+B(A x) (scaling folded into B) from the slot tensors, one gather-matmul pair per adapter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.run.forward_context import get_forward_context
+
+
+@dataclass(frozen=True)
+class LoraBatch:
+    """One step's token rows grouped by adapter slot; rows without an adapter are absent.
+    rows: a slice where the group's tokens are contiguous, else an int64 index tensor."""
+
+    groups: list[tuple[int, slice | torch.Tensor]]
+
+    def add_delta(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor,
+                  b: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in]; out: [num_tokens, out]; a: [slots, R, in]; b: [slots, out, R]
+        for slot, rows in self.groups:
+            low = x[rows] @ a[slot].T  # [n, R]
+            if isinstance(rows, slice):
+                out[rows].addmm_(low, b[slot].T)
+            else:
+                out.index_add_(0, rows, low @ b[slot].T)
+        return out
+
+
+class LoraLinear(nn.Module):
+    """`base` (dense, packed or quantized: any module of x) plus the step's LoRA deltas."""
+
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor) -> None:
+        super().__init__()
+        self.base = base
+        self.register_buffer("lora_a", a, persistent=False)  # [slots, R, in]
+        self.register_buffer("lora_b", b, persistent=False)  # [slots, out, R]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        batch = get_forward_context().lora
+        if batch is None:
+            return out
+        return batch.add_delta(out, x, self.lora_a, self.lora_b)
