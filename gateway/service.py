@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from gateway.api.lora import LoraRegistry
 from gateway.chunks import TokenNamer
 from gateway.errors import ApiError, unavailable
 from gateway.generation import EngineClientLike, Generation, Job, RequestStreamLike
+from gateway.lora_registry import LoraRegistry
 from gateway.metrics import Metrics
 from gateway.model_registry import ModelRegistry, UnknownModelError
 from gateway.prompt_text import prompt_text_sizes

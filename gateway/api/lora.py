@@ -4,10 +4,7 @@ engine of the pool), and the adapters' /v1/models cards with their `parent`."""
 
 from __future__ import annotations
 
-import os
-import time
 import uuid
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
 
 import msgspec
@@ -17,6 +14,7 @@ from starlette.routing import Route
 
 from gateway.body import read_body
 from gateway.errors import ApiError
+from gateway.lora_registry import RUNTIME_ENV, LoraRegistry
 from gateway.responses import ModelCard
 from gateway.validate import decode_body
 from ipc.messages import LoadLoraAdapter, UnloadLoraAdapter
@@ -24,8 +22,6 @@ from ipc.messages import LoadLoraAdapter, UnloadLoraAdapter
 if TYPE_CHECKING:
     from gateway.service import Gateway
 
-# NOTE: vLLM's switch for the two routes, read as vLLM reads it ("1" or "true", any case)
-RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 _ENGINE_TIMEOUT_S = 120.0  # reading an adapter is quick; an engine that never answers is not
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -39,39 +35,6 @@ class LoadLoraRequest(msgspec.Struct, kw_only=True):
 class UnloadLoraRequest(msgspec.Struct, kw_only=True):
     lora_name: Name
     lora_int_id: int | None = None  # vLLM's; names are unique here, so it is not needed
-
-
-def runtime_updating_allowed(flag: bool) -> bool:
-    return flag or os.environ.get(RUNTIME_ENV, "").lower() in ("1", "true")
-
-
-@dataclass
-class LoraRegistry:
-    """The adapters one engine pool serves: name -> PEFT directory, and when each appeared."""
-
-    enabled: bool = False  # the pool's engines run with --enable-lora
-    runtime_updates: bool = False  # the load/unload routes are allowed
-    paths: dict[str, str] = field(default_factory=dict)
-    created: dict[str, int] = field(default_factory=dict)
-
-    @classmethod
-    def from_modules(cls, enabled: bool, modules: tuple[str, ...],
-                     runtime_updates: bool) -> LoraRegistry:
-        paths = dict(entry.partition("=")[::2] for entry in modules)
-        now = int(time.time())
-        return cls(enabled, runtime_updating_allowed(runtime_updates), paths,
-                   dict.fromkeys(paths, now))
-
-    def set(self, names: list[str], name: str, path: str | None) -> None:
-        """After an engine answered: `names` are loaded; `name` was added (path) or removed."""
-        if path is not None:
-            self.paths[name], self.created[name] = path, int(time.time())
-        else:
-            self.paths.pop(name, None)
-            self.created.pop(name, None)
-        for gone in set(self.paths) - set(names):
-            self.paths.pop(gone)
-            self.created.pop(gone, None)
 
 
 def adapter_cards(registry: LoraRegistry, parent: str,

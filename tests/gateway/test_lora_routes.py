@@ -9,8 +9,8 @@ import httpx
 import openai
 from gateway_fakes import FakeEngine, serve
 
-from gateway.api.lora import RUNTIME_ENV
 from gateway.app import build_app
+from gateway.lora_registry import RUNTIME_ENV
 from gateway.service import GatewaySettings
 
 LOAD = {"lora_name": "a", "lora_path": "/nowhere"}

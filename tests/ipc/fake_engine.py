@@ -56,6 +56,12 @@ class FakeCore:
     def cached_block_hashes(self) -> list[bytes]:
         return []
 
+    def load_lora(self, name: str, path: str) -> list[str]:
+        raise ValueError("LoRA is off: start the engine with --enable-lora")  # as EngineCore's
+
+    def unload_lora(self, name: str) -> list[str]:
+        raise ValueError("LoRA is off: start the engine with --enable-lora")
+
     def step(self) -> list[TokenDelta]:
         self.steps += 1
         if self.steps == self.fail_at_step:

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from engine.run.lora.adapter import TARGETS, LoraWeights, read_adapter
-from engine.run.lora.layers import LoraBatch, LoraLinear
+from engine.run.lora.batch import LoraBatch
+from engine.run.lora.layers import LoraLinear
 
 
 @dataclass(frozen=True)
