@@ -16,7 +16,7 @@ from lora_adapters import ADAPTERS, build_adapter, dequantized_copy, peft_model
 from tiny_quant_gguf import write_tiny_gguf
 
 from engine import LLM, SamplingParams
-from kernels import cpu_quant
+from kernels.cpu import quant as cpu_quant
 
 # NOTE: float32 against float32 (PEFT's unfused q/k/v against our fused ones, scaling folded
 # into B): up to 1e-5 seen here on the dense base. On the Q4_1 base up to 3.6e-4, and the same
