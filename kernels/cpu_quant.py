@@ -160,12 +160,33 @@ def dequantize_rows(blocks: torch.Tensor, type_id: int, k: int, ids: torch.Tenso
     return out
 
 
-PACKED_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
+PACKED_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0 (cpu_quant.c; the rest: kernels/cpu_kquant.c)
 
 
 def packs(type_id: int, k: int) -> bool:
     """`pack` takes this type and width, and this CPU runs the packed kernels."""
+    from kernels import cpu_kquant  # NOTE(hook, issue 31): the K-quants' packed tiles
+
+    if type_id in cpu_kquant.TYPES:
+        return cpu_kquant.packs(type_id, k)
     return type_id in PACKED_TYPES and k % 32 == 0 and isa_supported("avx512")
+
+
+def _packed_fn(type_id: int, name: str):
+    """The packed entry point `name` for this type: cpu_quant.c's quant_<name>, or for the
+    types of kernels/cpu_kquant.c its kq_<name> (same arguments)."""
+    from kernels import cpu_kquant
+
+    if type_id in cpu_kquant.TYPES:
+        return cpu_kquant.function(name)
+    return getattr(_library(), f"quant_{name}")
+
+
+def fuses(gate_up_type: int, down_type: int) -> bool:
+    """PackedMLP takes this pair: both types packed by the same library."""
+    from kernels import cpu_kquant
+
+    return (gate_up_type in cpu_kquant.TYPES) == (down_type in cpu_kquant.TYPES)
 
 
 def pack(blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
@@ -175,10 +196,10 @@ def pack(blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
     if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
         raise ValueError("blocks must be a contiguous uint8 tensor")
     n = blocks.shape[0]
-    if type_id not in PACKED_TYPES or blocks.shape[1] != row_bytes(type_id, k):
+    if not packs(type_id, k) or blocks.shape[1] != row_bytes(type_id, k):
         raise ValueError(f"cannot pack {TYPE_NAMES.get(type_id, type_id)} blocks of width {k}")
-    out = torch.empty(lib.quant_packed_bytes(type_id, n, k), dtype=torch.uint8)
-    if lib.quant_pack(type_id, blocks.data_ptr(), n, k, out.data_ptr()):
+    out = torch.empty(_packed_fn(type_id, "packed_bytes")(type_id, n, k), dtype=torch.uint8)
+    if _packed_fn(type_id, "pack")(type_id, blocks.data_ptr(), n, k, out.data_ptr()):
         raise RuntimeError("quant_pack failed")
     return out
 
@@ -186,7 +207,7 @@ def pack(blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
 def _check_packed(packed: torch.Tensor, type_id: int, n: int, k: int) -> None:
     if packed.dtype != torch.uint8 or not packed.is_contiguous():
         raise ValueError("packed must be a contiguous uint8 tensor")
-    if packed.numel() != _library().quant_packed_bytes(type_id, n, k):
+    if packed.numel() != _packed_fn(type_id, "packed_bytes")(type_id, n, k):
         raise ValueError(f"packed holds {packed.numel()} bytes, not a packed "
                          f"{TYPE_NAMES.get(type_id, type_id)} [{n}, {k}]")
 
@@ -200,7 +221,7 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, type_id: int, n: int, k
     m = x.shape[0]
     if m == 0:
         return out
-    rc = _lib.quant_matmul_packed(type_id, packed.data_ptr(), n, k, x.data_ptr(), x.stride(0), m,
+    rc = _packed_fn(type_id, "matmul_packed")(type_id, packed.data_ptr(), n, k, x.data_ptr(), x.stride(0), m,
                                   out.data_ptr(), out.stride(0), NUMERICS[numerics],
                                   num_threads or torch.get_num_threads())
     if rc:
@@ -217,7 +238,7 @@ class PackedProduct:
                  numerics: str) -> None:
         _check_packed(packed, type_id, n, k)
         self.packed, self.n, self.k = packed, n, k  # NOTE: keeps the tiles alive
-        self._fn = _lib.quant_matmul_packed
+        self._fn = _packed_fn(type_id, "matmul_packed")
         self._head = (type_id, packed.data_ptr(), n, k)
         self._numerics = NUMERICS[numerics]
 
@@ -242,7 +263,10 @@ class PackedMLP:
         _check_packed(down, down_type, hidden, inter)
         self.tensors = (gate_up, down)  # NOTE: keeps the tiles alive
         self.hidden = hidden
-        self._fn = _lib.quant_mlp_packed
+        if not fuses(gate_up_type, down_type):
+            raise ValueError(f"no one-call MLP for {TYPE_NAMES[gate_up_type]} gate/up with "
+                             f"{TYPE_NAMES[down_type]} down")
+        self._fn = _packed_fn(gate_up_type, "mlp_packed")
         self._head = (gate_up_type, gate_up.data_ptr(), down_type, down.data_ptr(), inter,
                       hidden)
         self._tail = (NUMERICS[numerics], ACTIVATIONS[act])
@@ -265,7 +289,7 @@ def packed_rows(packed: torch.Tensor, type_id: int, n: int, k: int,
     elif count is None:
         count = n - first
     out = torch.empty(count, k, dtype=torch.float32)
-    rc = _lib.quant_packed_rows(type_id, packed.data_ptr(), n, k,
+    rc = _packed_fn(type_id, "packed_rows")(type_id, packed.data_ptr(), n, k,
                                 None if ids is None else ids.data_ptr(), first, count,
                                 out.data_ptr(), torch.get_num_threads())
     if rc == -2:
@@ -285,7 +309,7 @@ def packed_kmajor(packed: torch.Tensor, type_id: int, n: int, k: int, first_tile
         out = torch.empty(k, cols, dtype=torch.float32)
     if out.shape != (k, cols) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{k}, {cols}] with contiguous rows")
-    rc = _lib.quant_packed_kmajor(type_id, packed.data_ptr(), n, k, first_tile, end_tile,
+    rc = _packed_fn(type_id, "packed_kmajor")(type_id, packed.data_ptr(), n, k, first_tile, end_tile,
                                   out.data_ptr(), out.stride(0), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"quant_packed_kmajor failed ({TYPE_NAMES[type_id]})")

@@ -210,7 +210,8 @@ class QuantMLP(nn.Module):
     @staticmethod
     def applies(gate_up: nn.Module, down: nn.Module) -> bool:
         return all(isinstance(m, QuantLinear) and m.packed_weight is not None
-                   for m in (gate_up, down)) and gate_up.out_features == 2 * down.in_features
+                   for m in (gate_up, down)) and gate_up.out_features == 2 * down.in_features \
+            and cpu_quant.fuses(gate_up.parts[0].type_id, down.parts[0].type_id)
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.dtype == torch.float32 and x.is_contiguous()
