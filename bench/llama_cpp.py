@@ -112,29 +112,31 @@ def source_tree() -> Path:
         return tree
     sdist_dir = cache_root() / "sdist"
     sdist_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:",
-                    "--no-deps", f"llama-cpp-python=={VERSION}", "-d", str(sdist_dir)],
-                   check=True)
-    with tarfile.open(sdist_dir / f"llama_cpp_python-{VERSION}.tar.gz") as tar:
+    sdist = sdist_dir / f"llama_cpp_python-{VERSION}.tar.gz"
+    if not sdist.is_file():
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:",
+                        "--no-deps", f"llama-cpp-python=={VERSION}", "-d", str(sdist_dir)],
+                       check=True)
+    with tarfile.open(sdist) as tar:
         tar.extractall(cache_root() / "src", filter="data")
     return tree
 
 
-def build(jobs: int = 2, amx: bool | None = None) -> Path:
-    """The folder of the four built binaries (built now with `nice -n 19` if missing)."""
+def build(jobs: int = 2, amx: bool | None = None, targets: tuple[str, ...] = TARGETS) -> Path:
+    """The folder of the built binaries (built now with `nice -n 19` if missing)."""
     if amx is None:
         amx, why = amx_works()
         print(f"AMX: {'on' if amx else 'off'} ({why})", flush=True)
     out = build_dir(amx)
     bins = out / "bin"
-    if all((bins / t).is_file() for t in TARGETS):
+    if all((bins / t).is_file() for t in targets):
         return bins
     tree = source_tree()
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     opts = cmake_options(amx, cpu_flags())
     print("cmake " + " ".join(opts), flush=True)
     subprocess.run(["cmake", "-S", str(tree), "-B", str(out), *gen, *opts], check=True)
-    subprocess.run(["nice", "-n", "19", "cmake", "--build", str(out), "--target", *TARGETS,
+    subprocess.run(["nice", "-n", "19", "cmake", "--build", str(out), "--target", *targets,
                     "-j", str(jobs)], check=True)
     return bins
 
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("name", nargs="?", default="llama-server")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--amx", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma list of tools to build")
     args = p.parse_args(argv)
     amx = {"auto": None, "on": True, "off": False}[args.amx]
     if args.what == "probe-amx":
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.what == "path":
         print(binary(args.name, bool(amx)))
     else:
-        print(build(args.jobs, amx))
+        print(build(args.jobs, amx, tuple(t for t in args.targets.split(",") if t)))
 
 
 if __name__ == "__main__":
