@@ -141,7 +141,8 @@ def llama_cpp_kld(model: str, text: Path, ctx: int, threads: int, chunks: int) -
         done = subprocess.run([perplexity, "-m", model, *common, "--kl-divergence-base",
                                str(base), "--kl-divergence"], check=True, capture_output=True,
                               text=True)
-    return parse_perplexity(done.stdout + done.stderr)
+    out = done.stdout + done.stderr
+    return {**parse_perplexity(out), "summary": out[out.find("====== Perplexity"):][-3000:]}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -7,7 +7,8 @@ one of two numerics, `a32` (weights expanded to float32 in registers, float32 FM
 `dequantize_rows` expands chosen rows (the embedding's gather, prefill tiles). Q4_0, Q4_1 and
 Q8_0 matrices can also be repacked once (`pack`) into tiles of 16 interleaved output features
 (same bytes) for the AVX-512 VNNI kernels `packed_matmul`, `packed_rows`, `packed_kmajor`;
-cpu_quant.c describes the layout. The ISA path
+cpu_quant.c describes the layout; Q5_0, Q5_1, Q4_K, Q5_K and Q6_K pack into
+kernels/cpu_kquant.c's tiles through the same functions (dispatched by type). The ISA path
 is chosen at run time (AVX-512 VNNI, AVX2, scalar) unless a caller forces one. Compiled on
 first use by kernels/cc_build.py without -march=native: the SIMD paths carry their own target
 attributes, so the scalar path stays portable. The OpenMP runtime is the libgomp torch loaded.
