@@ -193,7 +193,7 @@ def fuses(gate_up_type: int, down_type: int) -> bool:
 def pack(blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
     """Raw blocks [N, row_bytes] -> packed tiles, a 1-D uint8 tensor of the same size (N
     rounded up to 16 features)."""
-    lib = _library()
+    _library()
     if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
         raise ValueError("blocks must be a contiguous uint8 tensor")
     n = blocks.shape[0]
@@ -222,9 +222,9 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, type_id: int, n: int, k
     m = x.shape[0]
     if m == 0:
         return out
-    rc = _packed_fn(type_id, "matmul_packed")(type_id, packed.data_ptr(), n, k, x.data_ptr(), x.stride(0), m,
-                                  out.data_ptr(), out.stride(0), NUMERICS[numerics],
-                                  num_threads or torch.get_num_threads())
+    rc = _packed_fn(type_id, "matmul_packed")(
+        type_id, packed.data_ptr(), n, k, x.data_ptr(), x.stride(0), m, out.data_ptr(),
+        out.stride(0), NUMERICS[numerics], num_threads or torch.get_num_threads())
     if rc:
         raise RuntimeError(f"quant_matmul_packed failed ({TYPE_NAMES[type_id]})")
     return out
@@ -310,8 +310,9 @@ def packed_kmajor(packed: torch.Tensor, type_id: int, n: int, k: int, first_tile
         out = torch.empty(k, cols, dtype=torch.float32)
     if out.shape != (k, cols) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{k}, {cols}] with contiguous rows")
-    rc = _packed_fn(type_id, "packed_kmajor")(type_id, packed.data_ptr(), n, k, first_tile, end_tile,
-                                  out.data_ptr(), out.stride(0), torch.get_num_threads())
+    rc = _packed_fn(type_id, "packed_kmajor")(type_id, packed.data_ptr(), n, k, first_tile,
+                                              end_tile, out.data_ptr(), out.stride(0),
+                                              torch.get_num_threads())
     if rc:
         raise RuntimeError(f"quant_packed_kmajor failed ({TYPE_NAMES[type_id]})")
     return out
