@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -58,12 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
         for num in ("a8", "a32"):
             product = cpu_quant.PackedProduct(packed, t, n, k, num)
 
-            def raw(num: str = num) -> None:
-                cpu_quant.matmul(x, raw_blocks, t, k, num, out=out)
-
-            def tiles(product: cpu_quant.PackedProduct = product) -> None:
-                product(x, out)
-
+            raw = partial(cpu_quant.matmul, x, raw_blocks, t, k, num, out=out)
+            tiles = partial(product, x, out)
             r1, p1, r2, p2 = (best_ms(f, args.reps) for f in (raw, tiles, raw, tiles))
             ms = min(p1, p2)
             res[f"{cpu_quant.TYPE_NAMES[t]} {k}->{n} {num}"] = {
