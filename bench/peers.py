@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from bench import llama_cpp
 from bench.loadgen import (
     Target,
     client_session,
@@ -104,7 +105,23 @@ class RssSampler:
 F16KV = "-f16kv"
 
 
+LLAMA_SERVER = "llama-server"  # llama.cpp's own C++ server, built by bench/llama_cpp.py
+
+
+def llama_server_command(model: str, port: int, args: argparse.Namespace) -> list[str]:
+    """llama.cpp's C++ server as a user runs it: `--slots` parallel sequences with continuous
+    batching, each slot `--slot-ctx` tokens of context (`-c` is their sum unless
+    `--kv-unified`, where all slots share `-c`), float16 KV (its default)."""
+    binary = args.llama_server or str(llama_cpp.binary("llama-server", args.llama_server_amx))
+    ctx = args.n_ctx if args.kv_unified else args.slots * args.slot_ctx
+    return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t",
+            str(args.threads), "-tb", str(args.threads), "-np", str(args.slots), "-c", str(ctx),
+            "--cont-batching", "--no-webui", *(["--kv-unified"] if args.kv_unified else [])]
+
+
 def server_command(kind: str, model: str, port: int, args: argparse.Namespace) -> list[str]:
+    if kind == LLAMA_SERVER:
+        return llama_server_command(model, port, args)
     if kind == "llama.cpp":
         return [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", model,
                 "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads),
@@ -206,14 +223,16 @@ def bench_server(kind: str, args: argparse.Namespace, url: str | None = None) ->
 
 
 def ratio_table(results: list[dict]) -> list[str]:
+    """Ratios against llama.cpp's C++ server where the run has it, else llama-cpp-python's."""
     by = {r["server"]: r for r in results}
-    lines = ["| server | conc | out tok/s | ITL p50 ms | vs llama.cpp | vs float32 |",
+    name = LLAMA_SERVER if LLAMA_SERVER in by else "llama.cpp"
+    lines = [f"| server | conc | out tok/s | ITL p50 ms | vs {name} | vs float32 |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
         for p in r["points"]:
             row = [r["server"], str(p["concurrency"]), f"{p['output_tokens_per_s']:.1f}",
                    f"{p['itl_s']['p50'] * 1e3:.1f}" if (p["itl_s"] or {}).get("p50") else "-"]
-            for base in ("llama.cpp", "float32"):
+            for base in (name, "float32"):
                 q = next((b for b in by.get(base, {}).get("points", [])
                           if b["concurrency"] == p["concurrency"]), None)
                 row.append(f"{p['output_tokens_per_s'] / q['output_tokens_per_s']:.2f}x tok/s"
@@ -222,7 +241,8 @@ def ratio_table(results: list[dict]) -> list[str]:
     lines += ["", "| server | time to ready s | RSS ready MiB (all processes) | engine RSS "
               "ready MiB | RSS peak MiB | engine RSS peak MiB | engine vs llama.cpp (ready / "
               "peak) |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    peer = by.get("llama.cpp", {})
+    lines[-2] = lines[-2].replace("vs llama.cpp", f"vs {name}")
+    peer = by.get(name, {})
     for r in results:
         mib = [f"{v / 2**20:.0f}" if v else "-" for v in (
             r["rss_ready_bytes"], r.get("engine_rss_ready_bytes"), r["rss_peak_bytes"],
@@ -239,7 +259,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=".gguf file (default: the bundled model)")
     p.add_argument("--servers", default="quantized,float32,llama.cpp",
-                   help="comma list of quantized, quantized-a8, float32, llama.cpp; a "
+                   help="comma list of quantized, quantized-a8, float32, llama.cpp "
+                        "(llama-cpp-python), llama-server (llama.cpp's C++ server); a "
                         "pagedserve kind + \"-f16kv\": over a float16 KV cache")
     p.add_argument("--url", action="append", default=[],
                    help="NAME=URL of a server already running (not started, no RSS)")
@@ -247,6 +268,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="python of the venv with llama-cpp-python[server]")
     p.add_argument("--n-ctx", type=int, default=4096,
                    help="llama.cpp's context (its KV cache) in tokens")
+    p.add_argument("--llama-server", default=None,
+                   help="llama-server binary (default: bench/llama_cpp.py's build)")
+    p.add_argument("--llama-server-amx", action="store_true",
+                   help="bench/llama_cpp.py's native (AMX) build instead of the no-AMX one")
+    p.add_argument("--slots", type=int, default=64, help="llama-server's parallel slots")
+    p.add_argument("--slot-ctx", type=int, default=512, help="llama-server's context per slot")
+    p.add_argument("--kv-unified", action="store_true",
+                   help="llama-server's slots share one --n-ctx cache")
     p.add_argument("--kv-match", action="store_true",
                    help="pagedserve's KV pool = llama.cpp's context, float16 (memory comparison)")
     p.add_argument("--pagedserve-args", default="",

@@ -16,6 +16,7 @@ from engine.models.llama import DecoderLayer, LlamaForCausalLM, RotaryEmbedding
 from engine.models.quant_linear import PREFILL_ROWS, QuantLinear, QuantMLP
 from engine.run.forward_context import get_forward_context
 from kernels.cpu import fused as cpu_fused
+from kernels.cpu import quant as cpu_quant
 
 
 class DecodeStack:
@@ -98,6 +99,10 @@ def _layer_weights(layer: torch.nn.Module) -> cpu_fused.LayerWeights | None:
              for p in (attn.qkv_proj, attn.o_proj)]
     norms = [n.weight.detach() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     if None in projs or any(n.dtype != torch.float32 for n in norms):
+        return None
+    # NOTE(hook, issue 31): the driver calls quant_packed.c's kernels, not quant_kpacked.c's
+    if any(t not in cpu_quant.PACKED_TYPES for t in (projs[0].type_id, projs[1].type_id,
+                                                     mlp.gate_up.type_id, mlp.down.type_id)):
         return None
     qkv, o = projs
     return cpu_fused.LayerWeights(*norms, (qkv.data, qkv.type_id), (o.data, o.type_id),

@@ -17,7 +17,8 @@ chunks) expand tiles of weights to float32 once and multiply them with torch's G
 fastest measured a32 path there. In a8, packed layers keep the integer kernel at every row
 count (1.4-3.0x torch's float32 GEMM from 64 to 2048 rows, where expanding and GEMM is
 0.86-0.89x of it; `packed_rows_limit`); raw blocks expand past PREFILL_ROWS in both. On AVX-512
-VNNI, Q4_0/Q4_1/Q8_0 parts are repacked into 16-feature tiles (QuantWeight.pack), where a8
+VNNI, Q4_0/Q4_1/Q8_0 parts (and Q5_0/Q5_1/Q4_K/Q5_K/Q6_K: kernels/cpu/csrc/quant_kpacked.c) are
+repacked into 16-feature tiles (QuantWeight.pack), where a8
 is 2.5x a32 at one row (576 -> 3072 Q4_1, two threads: 0.020 against 0.049 ms) and 1.4-1.6x
 per decoded token on SmolLM2-135M (server ITL p50 4.4-5.5 against 7.4-7.7 ms). The default
 is still a32: it equals `--quantization none` (and HF) token for token, as every mode must;
@@ -209,7 +210,8 @@ class QuantMLP(nn.Module):
     @staticmethod
     def applies(gate_up: nn.Module, down: nn.Module) -> bool:
         return all(isinstance(m, QuantLinear) and m.packed_weight is not None
-                   for m in (gate_up, down)) and gate_up.out_features == 2 * down.in_features
+                   for m in (gate_up, down)) and gate_up.out_features == 2 * down.in_features \
+            and cpu_quant.fuses(gate_up.parts[0].type_id, down.parts[0].type_id)
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.dtype == torch.float32 and x.is_contiguous()

@@ -7,8 +7,9 @@ one of two numerics, `a32` (weights expanded to float32 in registers, float32 FM
 `dequantize_rows` expands chosen rows (the embedding's gather, prefill tiles). Q4_0, Q4_1 and
 Q8_0 matrices can also be repacked once (`pack`) into tiles of 16 interleaved output features
 (same bytes) for the AVX-512 VNNI kernels `packed_matmul`, `packed_rows`, `packed_kmajor`;
-csrc/quant_packed.c describes the layout. The ISA path is chosen at run time (AVX-512 VNNI,
-AVX2, scalar) unless a caller forces one. Part of the one CPU library (kernels/cpu/library.py),
+csrc/quant_packed.c describes the layout; Q5_0, Q5_1, Q4_K, Q5_K and Q6_K pack into
+csrc/quant_kpacked.c's tiles through the same functions (dispatched by type, kquant.py).
+The ISA path is chosen at run time (AVX-512 VNNI, AVX2, scalar) unless a caller forces one. Part of the one CPU library (kernels/cpu/library.py),
 these sources compiled without -march=native: the SIMD paths carry their own target attributes
 (csrc/common.h), so the scalar path stays portable. The OpenMP runtime is the libgomp torch
 loaded.
@@ -20,7 +21,7 @@ import ctypes
 
 import torch
 
-from kernels.cpu import library
+from kernels.cpu import kquant, library
 from kernels.cpu.ggml_types import BLOCKS, PACKED_TYPES, TYPE_NAMES
 from kernels.cpu.library import available, build_error
 
@@ -120,23 +121,37 @@ def dequantize_rows(blocks: torch.Tensor, type_id: int, k: int, ids: torch.Tenso
     return out
 
 
-
 def packs(type_id: int, k: int) -> bool:
     """`pack` takes this type and width, and this CPU runs the packed kernels."""
+    if type_id in kquant.TYPES:
+        return kquant.packs(type_id, k)
     return type_id in PACKED_TYPES and k % 32 == 0 and isa_supported("avx512")
+
+
+def _packed_fn(type_id: int, name: str):
+    """The packed entry point `name` for this type: csrc/quant_packed.c's quant_<name>, or for the
+    types of csrc/quant_kpacked.c its kq_<name> (same arguments)."""
+    if type_id in kquant.TYPES:
+        return kquant.function(name)
+    return getattr(_library(), f"quant_{name}")
+
+
+def fuses(gate_up_type: int, down_type: int) -> bool:
+    """PackedMLP takes this pair: both types packed by the same library."""
+    return (gate_up_type in kquant.TYPES) == (down_type in kquant.TYPES)
 
 
 def pack(blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
     """Raw blocks [N, row_bytes] -> packed tiles, a 1-D uint8 tensor of the same size (N
     rounded up to 16 features)."""
-    lib = _library()
+    _library()
     if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
         raise ValueError("blocks must be a contiguous uint8 tensor")
     n = blocks.shape[0]
-    if type_id not in PACKED_TYPES or blocks.shape[1] != row_bytes(type_id, k):
+    if not packs(type_id, k) or blocks.shape[1] != row_bytes(type_id, k):
         raise ValueError(f"cannot pack {TYPE_NAMES.get(type_id, type_id)} blocks of width {k}")
-    out = torch.empty(lib.quant_packed_bytes(type_id, n, k), dtype=torch.uint8)
-    if lib.quant_pack(type_id, blocks.data_ptr(), n, k, out.data_ptr()):
+    out = torch.empty(_packed_fn(type_id, "packed_bytes")(type_id, n, k), dtype=torch.uint8)
+    if _packed_fn(type_id, "pack")(type_id, blocks.data_ptr(), n, k, out.data_ptr()):
         raise RuntimeError("quant_pack failed")
     return out
 
@@ -144,7 +159,7 @@ def pack(blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
 def _check_packed(packed: torch.Tensor, type_id: int, n: int, k: int) -> None:
     if packed.dtype != torch.uint8 or not packed.is_contiguous():
         raise ValueError("packed must be a contiguous uint8 tensor")
-    if packed.numel() != _library().quant_packed_bytes(type_id, n, k):
+    if packed.numel() != _packed_fn(type_id, "packed_bytes")(type_id, n, k):
         raise ValueError(f"packed holds {packed.numel()} bytes, not a packed "
                          f"{TYPE_NAMES.get(type_id, type_id)} [{n}, {k}]")
 
@@ -158,7 +173,7 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, type_id: int, n: int, k
     m = x.shape[0]
     if m == 0:
         return out
-    rc = _library().quant_matmul_packed(
+    rc = _packed_fn(type_id, "matmul_packed")(
         type_id, packed.data_ptr(), n, k, x.data_ptr(), x.stride(0), m, out.data_ptr(),
         out.stride(0), NUMERICS[numerics], num_threads or torch.get_num_threads())
     if rc:
@@ -175,7 +190,7 @@ class PackedProduct:
                  numerics: str) -> None:
         _check_packed(packed, type_id, n, k)
         self.packed, self.n, self.k = packed, n, k  # NOTE: keeps the tiles alive
-        self._fn = _library().quant_matmul_packed
+        self._fn = _packed_fn(type_id, "matmul_packed")
         self._head = (type_id, packed.data_ptr(), n, k)
         self._numerics = NUMERICS[numerics]
 
@@ -200,7 +215,10 @@ class PackedMLP:
         _check_packed(down, down_type, hidden, inter)
         self.tensors = (gate_up, down)  # NOTE: keeps the tiles alive
         self.hidden = hidden
-        self._fn = _library().quant_mlp_packed
+        if not fuses(gate_up_type, down_type):
+            raise ValueError(f"no one-call MLP for {TYPE_NAMES[gate_up_type]} gate/up with "
+                             f"{TYPE_NAMES[down_type]} down")
+        self._fn = _packed_fn(gate_up_type, "mlp_packed")
         self._head = (gate_up_type, gate_up.data_ptr(), down_type, down.data_ptr(), inter,
                       hidden)
         self._tail = (NUMERICS[numerics], ACTIVATIONS[act])
@@ -223,9 +241,9 @@ def packed_rows(packed: torch.Tensor, type_id: int, n: int, k: int,
     elif count is None:
         count = n - first
     out = torch.empty(count, k, dtype=torch.float32)
-    rc = _library().quant_packed_rows(type_id, packed.data_ptr(), n, k,
-                                      None if ids is None else ids.data_ptr(), first, count,
-                                      out.data_ptr(), torch.get_num_threads())
+    rc = _packed_fn(type_id, "packed_rows")(type_id, packed.data_ptr(), n, k,
+                                None if ids is None else ids.data_ptr(), first, count,
+                                out.data_ptr(), torch.get_num_threads())
     if rc == -2:
         raise IndexError(f"row ids out of range [0, {n})")
     if rc:
@@ -243,9 +261,9 @@ def packed_kmajor(packed: torch.Tensor, type_id: int, n: int, k: int, first_tile
         out = torch.empty(k, cols, dtype=torch.float32)
     if out.shape != (k, cols) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{k}, {cols}] with contiguous rows")
-    rc = _library().quant_packed_kmajor(type_id, packed.data_ptr(), n, k, first_tile,
-                                        end_tile, out.data_ptr(), out.stride(0),
-                                        torch.get_num_threads())
+    rc = _packed_fn(type_id, "packed_kmajor")(type_id, packed.data_ptr(), n, k, first_tile,
+                                              end_tile, out.data_ptr(), out.stride(0),
+                                              torch.get_num_threads())
     if rc:
         raise RuntimeError(f"quant_packed_kmajor failed ({TYPE_NAMES[type_id]})")
     return out

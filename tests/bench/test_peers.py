@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 import time
+
+import pytest
 
 from bench import peers
 
@@ -76,3 +79,51 @@ def test_f16kv_kinds_are_their_server_over_a_float16_cache() -> None:
     f16 = peers.server_command("quantized-a8-f16kv", "m.gguf", 1, args)
     assert f16 == plain + ["--kv-cache-dtype", "float16"]
     assert "--kv-cache-dtype" not in peers.server_command("float32", "m.gguf", 1, args)
+
+
+def _server_args(**over: object) -> argparse.Namespace:
+    base = dict(threads=2, kv_match=False, n_ctx=4096, pagedserve_args="", slots=64,
+                slot_ctx=512, kv_unified=False, llama_server="/opt/llama-server",
+                llama_server_amx=False)
+    return argparse.Namespace(**(base | over))
+
+
+def test_llama_server_runs_64_slots_of_continuous_batching_on_the_threads() -> None:
+    cmd = peers.server_command("llama-server", "m.gguf", 8123, _server_args())
+    assert cmd[:3] == ["/opt/llama-server", "-m", "m.gguf"]
+    flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+    assert flags["--port"] == "8123" and flags["-t"] == "2" and flags["-tb"] == "2"
+    assert flags["-np"] == "64" and flags["-c"] == str(64 * 512)  # 512 tokens per slot
+    assert "--cont-batching" in cmd and "--kv-unified" not in cmd
+    unified = peers.server_command("llama-server", "m.gguf", 1, _server_args(kv_unified=True))
+    assert unified[unified.index("-c") + 1] == "4096" and "--kv-unified" in unified
+
+
+def test_llama_server_default_binary_is_the_cached_build(tmp_path, monkeypatch) -> None:
+    from bench import llama_cpp
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="python -m bench.llama_cpp build"):
+        peers.server_command("llama-server", "m.gguf", 1, _server_args(llama_server=None))
+    exe = tmp_path / "llama.cpp-0.3.36" / "build-noamx" / "bin" / "llama-server"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("")
+    cmd = peers.server_command("llama-server", "m.gguf", 1, _server_args(llama_server=None))
+    assert cmd[0] == str(exe) == str(llama_cpp.binary("llama-server"))
+
+
+def test_ratios_are_against_llama_server_when_the_run_has_it() -> None:
+    results = [
+        {"server": "quantized", "points": [_point(8, 300.0)], "time_to_ready_s": 2.0,
+         "rss_ready_bytes": 2**30, "rss_peak_bytes": 2**30, "engine_rss_ready_bytes": 2**29,
+         "engine_rss_peak_bytes": 2**29},
+        {"server": "llama.cpp", "points": [_point(8, 30.0)], "time_to_ready_s": 1.0,
+         "rss_ready_bytes": 2**28, "rss_peak_bytes": 2**28},
+        {"server": "llama-server", "points": [_point(8, 100.0)], "time_to_ready_s": 1.0,
+         "rss_ready_bytes": 2**28, "rss_peak_bytes": 2**28, "engine_rss_ready_bytes": 2**28,
+         "engine_rss_peak_bytes": 2**28},
+    ]
+    text = "\n".join(peers.ratio_table(results))
+    assert "| vs llama-server | vs float32 |" in text
+    assert "| quantized | 8 | 300.0 | 10.0 | 3.00x tok/s | - |" in text
+    assert "| quantized | 2.0 | 1024 | 512 | 1024 | 512 | 2.00x / 2.00x |" in text

@@ -57,6 +57,20 @@ int quant_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int6
                      int64_t H, const float *x, int64_t M, float *out, int numerics, int act,
                      int num_threads);
 
+/* ---- quant_kpacked.c: packed tiles of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (same arguments) ------- */
+int kq_isa_supported(void);
+int64_t kq_packed_bytes(int type, int64_t N, int64_t K);
+int kq_pack(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *packed);
+int kq_packed_rows(int type, const uint8_t *packed, int64_t N, int64_t K, const int64_t *ids,
+                   int64_t first, int64_t M, float *out, int num_threads);
+int kq_packed_kmajor(int type, const uint8_t *packed, int64_t N, int64_t K, int64_t t0,
+                     int64_t t1, float *outT, int64_t ld, int num_threads);
+int kq_matmul_packed(int type, const uint8_t *packed, int64_t N, int64_t K, const float *x,
+                     int64_t xs, int64_t M, float *out, int64_t os, int numerics,
+                     int num_threads);
+int kq_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int64_t I, int64_t H,
+                  const float *x, int64_t M, float *out, int numerics, int act, int num_threads);
+
 /* ---- fused.c: a decode step's decoder stack (its structs in fused.c) ---------------------- */
 
 #endif
