@@ -9,10 +9,10 @@ Q8_0 matrices can also be repacked once (`pack`) into tiles of 16 interleaved ou
 (same bytes) for the AVX-512 VNNI kernels `packed_matmul`, `packed_rows`, `packed_kmajor`;
 csrc/quant_packed.c describes the layout; Q5_0, Q5_1, Q4_K, Q5_K and Q6_K pack into
 csrc/quant_kpacked.c's tiles through the same functions (dispatched by type, kquant.py).
-The ISA path is chosen at run time (AVX-512 VNNI, AVX2, scalar) unless a caller forces one. Part of the one CPU library (kernels/cpu/library.py),
-these sources compiled without -march=native: the SIMD paths carry their own target attributes
-(csrc/common.h), so the scalar path stays portable. The OpenMP runtime is the libgomp torch
-loaded.
+The ISA path is chosen at run time (AVX-512 VNNI, AVX2, scalar) unless a caller forces one.
+Part of the one CPU library (kernels/cpu/library.py), these sources are compiled without
+-march=native: the SIMD paths carry their own target attributes (csrc/common.h), so the
+scalar path stays portable. The OpenMP runtime is the libgomp torch loaded.
 """
 
 from __future__ import annotations
