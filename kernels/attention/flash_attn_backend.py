@@ -23,9 +23,6 @@ FUSED_CPU_OPS = False
 
 # (module, kind) in order of preference; names are strings because they are probed at runtime
 CANDIDATES = (("flash_attn_interface", "fa3"), ("vllm.vllm_flash_attn", "vllm"))
-# NOTE: the engine keeps the model's norms and rope in torch with this backend (cpu_backend's
-# FUSED_CPU_OPS says why); every backend declares it.
-FUSED_CPU_OPS = False
 
 
 def _find() -> tuple[str, ModuleType]:

@@ -17,9 +17,6 @@ FUSED_CPU_OPS = False  # the reference: the whole model stays in torch
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_E4M3_MAX = 448.0
 FLOAT16_MAX = 65504.0  # a float16 cache stores values saturated here (no inf)
-# NOTE: the engine keeps the model's norms and rope in torch with this backend (cpu_backend's
-# FUSED_CPU_OPS says why); every backend declares it.
-FUSED_CPU_OPS = False
 
 
 def write_kv(

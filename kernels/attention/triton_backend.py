@@ -26,9 +26,6 @@ FUSED_CPU_OPS = False
 FP8_DTYPES = (torch.float8_e4m3fn,)
 MAX_SPLITS = 64  # the reduce kernel holds all splits of one head in registers
 MIN_SPLIT_LEN = 256  # keys per split: below this the reduce costs more than it gains
-# NOTE: the engine keeps the model's norms and rope in torch with this backend (cpu_backend's
-# FUSED_CPU_OPS says why); every backend declares it.
-FUSED_CPU_OPS = False
 
 
 @dataclass(frozen=True)
