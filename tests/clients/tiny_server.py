@@ -54,8 +54,10 @@ def tiny_model_dir() -> Path:
 
 
 def serve_argv(port: int, *extra: str) -> list[str]:
+    # NOTE: a `--model` in `extra` replaces the tiny model (a repeated --model serves several)
+    model = [] if "--model" in extra else ["--model", str(tiny_model_dir())]
     return [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1",
-            "--port", str(port), "--model", str(tiny_model_dir()),
+            "--port", str(port), *model,
             "--served-model-name", MODEL_NAME, "--max-model-len", "4096",
             "--num-gpu-blocks", "1024", "--max-num-seqs", "16", "--num-threads", "1",
             "--shutdown-timeout", "2", "--log-level", "warning", *extra]
