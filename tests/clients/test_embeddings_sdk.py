@@ -5,10 +5,6 @@ SDK), LangChain's OpenAIEmbeddings and raw HTTP; references from sentence-transf
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
@@ -18,7 +14,7 @@ import torch
 from langchain_openai import OpenAIEmbeddings
 from sentence_transformers import SentenceTransformer
 from tiny_embedder import embedder_dir
-from tiny_server import ROOT, free_port, wait_ready
+from tiny_server import running_server
 
 MODEL = "tiny-embed"
 TEXTS = ["The cat sat on the mat.", "Paged attention keeps the KV cache in fixed blocks.",
@@ -37,24 +33,11 @@ def st(model_dir) -> SentenceTransformer:
 
 @pytest.fixture(scope="module")
 def url(model_dir) -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port",
-         str(port), "--model", str(model_dir), "--served-model-name", MODEL,
-         "--max-model-len", "128", "--num-gpu-blocks", "256", "--max-num-batched-tokens", "64",
-         "--num-threads", "1", "--shutdown-timeout", "2", "--log-level", "warning"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base, proc)
+    # NOTE: the tiny embedder replaces the tiny chat model; the later flags override the helper's
+    with running_server("--model", str(model_dir), "--served-model-name", MODEL,
+                        "--max-model-len", "128", "--num-gpu-blocks", "256",
+                        "--max-num-batched-tokens", "64") as base:
         yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
