@@ -1,7 +1,9 @@
-/** `PagedServe`: the HTTP client (chat completions, completions, responses, models, cancel) over fetch.
+/** `PagedServe`: the HTTP client (chat completions, completions, responses, embeddings, rerank,
+ * score, models, cancel) over fetch.
  * Retries 408/409/429/5xx and network errors with backoff (honouring Retry-After) before any
  * byte of a response reaches the caller; a stream already handed out is never retried, but a
  * resumable one (`resumable: true`) that breaks is resumed after its last event (streaming.ts). */
+import { decodeEmbeddings, } from './embeddings.js';
 import { APIConnectionError, APITimeoutError, APIUserAbortError, statusError } from './errors.js';
 import { retryDelayMs, shouldRetry, sleep } from './retry.js';
 import { Stream } from './streaming.js';
@@ -27,10 +29,30 @@ export class PagedServe {
         retrieve: async (id, options) => (await this.request('GET', `/v1/responses/${encodeURIComponent(id)}`, undefined, options)).response.json(),
         delete: async (id, options) => (await this.request('DELETE', `/v1/responses/${encodeURIComponent(id)}`, undefined, options)).response.json(),
     };
+    /** POST /v1/embeddings; a base64 answer (`encoding_format: 'base64'`) comes back decoded. */
+    embeddings = {
+        create: async (params, options) => decodeEmbeddings(await (await this.request('POST', '/v1/embeddings', params, options)).response.json()),
+    };
+    /** POST /v1/rerank: the documents by relevance to the query, best first. */
+    async rerank(params, options) {
+        return (await this.request('POST', '/v1/rerank', params, options)).response.json();
+    }
+    /** POST /v1/score (vLLM's): a score per (text_1, text_2) pair. */
+    async score(params, options) {
+        return (await this.request('POST', '/v1/score', params, options)).response.json();
+    }
     models = {
         list: async (options) => (await this.request('GET', '/v1/models', undefined, options)).response.json(),
         /** GET /v1/models/{id}; a NotFoundError for another id. */
         retrieve: async (id, options) => (await this.request('GET', `/v1/models/${encodeURIComponent(id)}`, undefined, options)).response.json(),
+        /** GET /models (llama.cpp router's): every model the server knows, loaded or not. */
+        states: async (options) => (await (await this.request('GET', '/models', undefined, options)).response.json()).data,
+        /** POST /models/load: serve `model` again, or a new one from `path` with engine options
+         * (max_model_len, data_parallel_size...); resolves once its engines are ready. */
+        load: async (model, params = {}, options) => (await this.request('POST', '/models/load', { model, ...params }, options)).response.json(),
+        /** POST /models/unload: its requests get `timeout` seconds (default: aborted now), then its
+         * engine processes exit. */
+        unload: async (model, params = {}, options) => (await this.request('POST', '/models/unload', { model, ...params }, options)).response.json(),
     };
     /** POST /tokenize (vLLM's): `{ prompt }` or `{ messages }` (rendered as chat renders them). */
     async tokenize(body, options) {

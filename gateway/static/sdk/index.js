@@ -7,3 +7,4 @@ export { retryDelayMs, shouldRetry } from './retry.js';
 export { Generation, WebSocketClient, RECONNECT_CODES, NO_RESUME_CODES, SUBPROTOCOL } from './ws.js';
 export * from './types.js';
 export * from './responses.js';
+export * from './embeddings.js';
