@@ -18,11 +18,11 @@ from tiny_quant_gguf import write_tiny_gguf
 from engine import LLM, SamplingParams
 from kernels.cpu import quant as cpu_quant
 
-# NOTE: float32 against float32 (PEFT's unfused q/k/v against our fused ones, scaling folded
-# into B): up to 1e-5 seen here on the dense base. On the Q4_1 base up to 3.6e-4, and the same
-# 3.6e-4 from the file dequantized at load (--quantization none): float32 rounding grown by
-# these large random deltas over 8 greedy steps, not the quantized path.
-TOL = 1e-4
+# NOTE: our float32 against PEFT in float64 (PEFT in float32 is itself 3.6e-4 from float64 on an
+# AMD EPYC here, ours 1.9e-4; up to 1e-5 on the Intel machines before). On the Q4_1 base up to
+# 3.6e-4, and the same from the file dequantized at load (--quantization none): float32
+# rounding grown by these large random deltas over 8 greedy steps, not the quantized path.
+TOL = 5e-4
 QUANT_TOL = 1e-3
 NEW = 8
 
@@ -53,7 +53,7 @@ def llm(tiny_model_dir, adapters):
 
 
 def _reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """HF greedy tokens and each one's log_softmax (teacher-forced, float64 softmax)."""
+    """HF greedy tokens and each one's log_softmax (teacher-forced, in the model's dtype)."""
     inp = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
@@ -74,7 +74,7 @@ def _ours(llm, prompts, loras) -> list[tuple[list[int], list[float]]]:
 def _check_against_peft(llm, base_dir, adapters, tol: float = TOL) -> None:
     base_out = _ours(llm, PROMPTS, None)
     for name, path in adapters.items():
-        ref_model = peft_model(base_dir, path)
+        ref_model = peft_model(base_dir, path, torch.float64)
         ours = _ours(llm, PROMPTS, name)
         for prompt, (tokens, logprobs) in zip(PROMPTS, ours, strict=True):
             ref_tokens, ref_logprobs = _reference(ref_model, prompt)
