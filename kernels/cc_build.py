@@ -26,7 +26,8 @@ LINK = ["-shared", "-fopenmp"]
 Source = tuple[Path, Sequence[str]]  # a C file and its compile flags
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's flags line of /proc/cpuinfo (the processor's name where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -35,7 +36,7 @@ def _cpu_flags() -> str:
 
 
 def _key(sources: Sequence[Source], headers: Sequence[Path], version: str) -> str:
-    parts = [LINK, version, _cpu_flags()]
+    parts = [LINK, version, cpu_flags()]
     for path, flags in sources:
         parts += [path.name, path.read_text(), *flags]
     parts += [text for h in headers for text in (h.name, h.read_text())]

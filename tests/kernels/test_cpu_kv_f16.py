@@ -114,7 +114,9 @@ def test_f16_write_rounds_as_torch_casts():
 def portable_lib() -> ctypes.CDLL:
     """The CPU library built for baseline x86-64 (no F16C, no AVX): the portable conversions."""
     def portable(flags: list[str]) -> list[str]:
-        return [f for f in flags if not f.startswith("-march")] + ["-march=x86-64"]
+        # NOTE: -O2 (the last -O wins): decode.c at -O3 for baseline x86-64 takes 68 s to build
+        # (kernels/cpu/library.py's DECODE); what is tested is the portable code, not its speed
+        return [f for f in flags if not f.startswith("-march")] + ["-march=x86-64", "-O2"]
 
     try:
         return library.build(portable)
