@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -16,7 +16,7 @@ import torch
 from engine.allocator import tune_malloc
 from engine.devices import resolve_device, resolve_dtype
 from engine.models.accelerate import accelerate
-from engine.models.config import ModelConfig
+from engine.models.config import ModelConfig, from_hf_config
 from engine.models.loader import load_model, resolve_quantization
 from engine.models.pooling_config import pooling_info
 from engine.models.quant_linear import count_weights
@@ -34,7 +34,7 @@ from ipc.config import EngineConfig, step_token_budget
 from ipc.limits import Limits, check_limits, check_pooling_input
 from ipc.messages import AddRequest, EngineStats, TokenDelta
 from ipc.model_source import resolve_model
-from ipc.pooling import PoolingInfo
+from ipc.pooling import PoolingInfo, PoolingParams
 from ipc.prefix_hash import salt_bytes
 from kernels import Backend, auto_backend, get_backend
 
@@ -119,7 +119,7 @@ class EngineCore:
         self.max_model_len = _max_model_len(config, self.model_config)
         self.pooling_info: PoolingInfo = pooling_info(
             None if source.is_gguf else source.path, self.model_config.hidden_size,
-            config.pooling)
+            config.pooling, self.model_config.num_labels)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         # NOTE: counted before packing: packed (and quantized) weights are not Parameters
         self.num_params = count_weights(model)
@@ -315,6 +315,10 @@ class EngineCore:
         if msg.sampling.pooling is not None:
             return self._validate_pooling(msg)
         prompt, s = msg.prompt_token_ids, msg.sampling
+        if self.model_config.num_labels is not None:
+            raise ValueError("this model is a cross-encoder (a sequence classifier with a score "
+                             "head, no LM head): it scores pairs (rerank, score) and does not "
+                             "generate")
         keys = [choice_key(msg.request_id, i) for i in range(s.num_choices)]
         if msg.request_id in self.scheduler.groups or any(map(self.scheduler.is_live, keys)):
             raise ValueError(f"request_id {msg.request_id!r} is already in use")
@@ -359,12 +363,28 @@ class EngineCore:
         if s.pooling.dimensions is not None and not info.allows(s.pooling.dimensions):
             raise ValueError(f"dimensions {s.pooling.dimensions} is not one this model's "
                              f"{info.dimensions}-value embeddings can be truncated to")
+        if info.num_labels is not None:
+            prompt = self._cross_encoder_input(prompt, s.pooling)
         pooling = msgspec.structs.replace(
             s.pooling, method=s.pooling.method or info.method,
             normalize=info.normalize if s.pooling.normalize is None else s.pooling.normalize)
         s = msgspec.structs.replace(s, pooling=pooling)
         return Request(msg.request_id, list(prompt), s, 0, msg.priority,
                        msg.arrival_time or time.time())
+
+    def _cross_encoder_input(self, prompt: Sequence[int], params: PoolingParams) -> Sequence[int]:
+        """A cross-encoder's input up to its last token that is not the config's pad id (HF's
+        rule for the token its score head reads; the first token if all are pads).
+        NOTE: the tokens after it cannot change its state (causal attention), so they are not
+        computed at all."""
+        if params.method not in (None, "last") or params.dimensions is not None:
+            raise ValueError("a cross-encoder pools the last token with its score head: no "
+                             "pooling method or dimensions to choose")
+        pad = self.model_config.pad_token_id
+        end = len(prompt)
+        while pad is not None and end > 1 and prompt[end - 1] == pad:
+            end -= 1
+        return prompt[:end]
 
     def _lora_id(self, name: str | None) -> int | None:
         if name is None:
@@ -431,6 +451,9 @@ def _load_model(config: EngineConfig, source, dtype: torch.dtype, device: torch.
     if config.tensor_parallel_size == 1:
         return (*load_model(source, dtype, device, quantization, config.quantization_numerics),
                 None)
+    if not source.is_gguf and from_hf_config(source.path).num_labels is not None:
+        raise ValueError("tensor_parallel_size: a cross-encoder (sequence classifier) is served "
+                         "on one rank only")
     from engine.parallel.driver import launch  # NOTE: lazy: torch.distributed, spawns ranks
 
     return launch(config, source, dtype, device)

@@ -72,7 +72,7 @@ class Job:
     """A validated request, ready for the engine."""
 
     request_id: str
-    kind: str  # "chat" | "completion"
+    kind: str  # "chat" | "completion", or a pooling request's: "embedding" | "rerank" | "score"
     model: str
     prompt_ids: list[int]
     sampling: SamplingParams
@@ -105,6 +105,7 @@ class Piece:
     index: int = 0
     cumulative_logprob: float | None = None  # with best_of: the choice's total so far
     error_param: str | None = None  # the request field at fault (a grammar that failed)
+    pooled: list[float] | None = None  # a pooling request's vector, on its last piece
 
 
 def piece_error(piece: Piece) -> ApiError:
@@ -113,6 +114,16 @@ def piece_error(piece: Piece) -> ApiError:
     if piece.error_param is not None:
         return ApiError(400, piece.error or "invalid request", "invalid_value", piece.error_param)
     return ApiError(500, piece.error or "the engine failed", "engine_error")
+
+
+def ended_error(piece: Piece) -> ApiError:
+    """The client's error for a request that ended without its result: the engine's failure,
+    or a cancel (the cancel route, a drain's deadline)."""
+    if piece.finish_reason == FINISH_ABORT:
+        # NOTE: the SDKs retry a 5xx unless told not to: a cancel is not to be resent
+        return ApiError(500, "the request was cancelled before it finished", "cancelled",
+                        headers={"x-should-retry": "false"})
+    return piece_error(piece)
 
 
 class Generation:
@@ -248,7 +259,8 @@ class Generation:
         if delta.finished:
             self._end_choice(i, delta.finish_reason)
             return Piece(safe, ids, lp, delta.finish_reason, delta.error, index=i,
-                         cumulative_logprob=total, error_param=delta.error_param)
+                         cumulative_logprob=total, error_param=delta.error_param,
+                         pooled=delta.pooled)
         if safe or ids:
             return Piece(safe, ids, lp, index=i, cumulative_logprob=total)
         return None

@@ -366,14 +366,15 @@ def _pooling(refs: dict[str, Schema]) -> dict[str, Schema]:
             "operationId": operation_id, **({"security": BEARER} if keyed else {}),
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": refs[request], "examples": examples}}},
-            "responses": {"200": _json(refs[response], what),
+            "responses": {"200": _json(refs[response], what, REQUEST_ID),
                           **_errors(refs, 400, *((401,) if keyed else ()), 404, 413, 500, 503)}}}
 
     embed = {"texts": {"value": {"input": ["Hello world", "Paged attention"]}},
              "base64": {"value": {"input": "Hello", "encoding_format": "base64"}}}
     score = {"pairs": {"value": {"text_1": "What is paged attention?",
                                  "text_2": ["KV cache in blocks", "A cat"]}}}
-    ranked = "documents by relevance (cosine of embeddings), best first"
+    ranked = ("documents by relevance (a cross-encoder's score of each query/document pair, "
+              "or the cosine of their embeddings), best first")
     paths = {"/v1/embeddings": post("createEmbedding", "EmbeddingRequest", "EmbeddingResponse",
                                     "one embedding per input, in order", embed, True)}
     for path, op in (("/v1/rerank", "rerank"), ("/rerank", "rerankUnversioned"),

@@ -18,7 +18,7 @@ import msgspec
 
 from gateway.chunks import TokenNamer
 from gateway.errors import ApiError, unavailable
-from gateway.generation import EngineClientLike, Generation, Job, RequestStreamLike
+from gateway.generation import EngineClientLike, Generation, Job
 from gateway.lora_registry import LoraRegistry
 from gateway.metrics import Metrics
 from gateway.model_registry import ModelRegistry, UnknownModelError
@@ -33,7 +33,7 @@ from gateway.tools.prompt import template_messages
 from gateway.tools.registry import PARSERS, CallSyntax, detect_parser, format_for
 from gateway.validate import check_limits, fill_max_tokens, to_sampling
 from ipc.limits import Limits
-from ipc.messages import AddRequest, LoadLoraAdapter, LoraAdapterResult, UnloadLoraAdapter
+from ipc.messages import LoadLoraAdapter, LoraAdapterResult, UnloadLoraAdapter
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTracer
@@ -222,6 +222,7 @@ class Gateway:
             return await view.prepare(request, prompt_index, request_id)
         self.require_ready()
         model = self.check_model(request.model)
+        self._check_generates()
         syntax = self.call_syntax()
         structured = structured_for(request, syntax)
         # NOTE: the engine's context, already lowered to what its KV pool holds
@@ -262,6 +263,26 @@ class Gateway:
             tool_parser=tool_parser,
             reasoning_parser=reasoning,
         )
+
+    def _check_generates(self) -> None:
+        pooling = self.client.info.pooling  # type: ignore[union-attr]
+        if pooling is not None and pooling.num_labels is not None:
+            raise ApiError(400, "this model is a cross-encoder (a sequence classifier): it "
+                           "scores query/document pairs on /v1/rerank and /score and does not "
+                           "generate", "unsupported_model", "model")
+
+    def pooling_ids(self, requested: str | None, prefix: str, count: int
+                    ) -> tuple[str, list[str]]:
+        """The id of a pooling request of `count` inputs (the client's `request_id`, else a
+        new `<prefix>-<hex>`: cancel it by this id) and its engine requests' ids: that id for
+        one input, else `<id>-<i>` (as a completions request's prompts). 400 if in use."""
+        base = requested or f"{prefix}-{uuid.uuid4().hex}"
+        ids = [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
+        if any(rid in self.generations for rid in ids) or any(
+                g.job.response_id == base for g in self.generations.values()):
+            raise ApiError(400, f"request_id `{base}` is in use", "duplicate_request_id",
+                           "request_id")
+        return base, ids
 
     def call_syntax(self) -> CallSyntax:
         """The tool-call format of `--tool-call-parser` (auto: the chat template's), and its
@@ -327,15 +348,6 @@ class Gateway:
         except TimeoutError:
             raise unavailable("the engine did not answer the LoRA request in time",
                               "engine_unavailable") from None
-        except self._unavailable as exc:
-            raise unavailable(f"the engine is not available: {exc}", "engine_unavailable") from None
-
-    def submit(self, msg: AddRequest) -> RequestStreamLike:
-        """Send a request whose deltas the caller reads itself (pooling requests: one
-        terminal delta, no text); engine-down becomes 503 with Retry-After."""
-        self.require_ready()
-        try:
-            return self.client.submit(msg)
         except self._unavailable as exc:
             raise unavailable(f"the engine is not available: {exc}", "engine_unavailable") from None
 
@@ -411,6 +423,15 @@ class Gateway:
                                        request.continue_final_message, kwargs,
                                        self.settings.split_special_tokens, tools, template,
                                        getattr(request, "add_special_tokens", False))
+
+    async def encode_pair(self, first: str, second: str, param: str) -> list[int]:
+        """The token ids of a cross-encoder's text pair (Tokenizer.encode_pair); too long for
+        the engine's context is refused before it is tokenized, naming `param`."""
+        tok = self.tokenizer()
+        chars = len(first) + len(second)
+        _check_text_length({param: chars}, self.client.info.max_model_len, tok)  # type: ignore[union-attr]
+        return await _off_loop(chars, tok.encode_pair, first, second,
+                               self.settings.split_special_tokens)
 
     async def encode_prompt(self, text: str, add_special_tokens: bool = False,
                             param: str = "prompt") -> list[int]:

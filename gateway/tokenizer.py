@@ -125,6 +125,13 @@ class Tokenizer:
         tok = self._plain if split_special_tokens else self._tok
         return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str, split_special_tokens: bool = False
+                    ) -> list[int]:
+        """Ids of a text pair, with the special tokens of the tokenizer's pair template: the
+        text-pair call `tokenizer(first, second)` (sentence-transformers' CrossEncoder)."""
+        tok = self._plain if split_special_tokens else self._tok
+        return tok.encode(first, second, add_special_tokens=True).ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

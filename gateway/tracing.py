@@ -77,11 +77,15 @@ class RequestTracer:
         self._provider.shutdown()
 
 
+# NOTE: OpenTelemetry's GenAI operation names; rerank and score have none (their kind is used)
+_OPERATIONS = {"chat": "chat", "completion": "text_completion", "embedding": "embeddings"}
+
+
 def _attributes(gen: Generation) -> dict[str, Any]:
     job, s = gen.job, gen.job.sampling
     usage = gen.usage
     attrs: dict[str, Any] = {
-        "gen_ai.operation.name": "chat" if job.kind == "chat" else "text_completion",
+        "gen_ai.operation.name": _OPERATIONS.get(job.kind, job.kind),
         "gen_ai.request.model": job.model,
         "gen_ai.response.model": job.model,
         "gen_ai.response.id": job.request_id,

@@ -37,7 +37,10 @@ class PoolingInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     # `matryoshka_dimensions`), or every length (`is_matryoshka`: true, and no list)
     matryoshka_dimensions: tuple[int, ...] | None = None
     is_matryoshka: bool = False
-    source: str = "default"  # sentence-transformers | default | --pooling
+    source: str = "default"  # sentence-transformers | default | --pooling | classifier
+    # a cross-encoder (a *ForSequenceClassification checkpoint): its score head's labels (1:
+    # a pooled vector is [sigmoid(score)] of a query/document pair); None: an embedding model
+    num_labels: int | None = None
 
     def allows(self, dimensions: int) -> bool:
         """Whether a vector truncated to `dimensions` is one the model was trained for."""

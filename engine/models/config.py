@@ -42,6 +42,11 @@ class ModelConfig:
     # Why the context stops at max_position_embeddings when that is not the checkpoint's own
     # limit (Phi-3's long rope factor is not implemented).
     context_limit_reason: str = ""
+    # A `*ForSequenceClassification` checkpoint (a cross-encoder): its `score` head's rows
+    # (None: a causal LM, which has an LM head instead), and the pad id HF's head skips when
+    # it pools the last token (None: the last token, whatever it is)
+    num_labels: int | None = None
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -120,8 +125,34 @@ def from_hf_config(model_dir: Path) -> ModelConfig:
         attn_scale=cfg["query_pre_attn_scalar"] ** -0.5 if gemma else None,
         attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
         final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+        **_classifier(cfg),
     )
     return ModelConfig(**(fields | rope))
+
+
+_SIGMOID = "torch.nn.modules.activation.Sigmoid"
+
+
+def _classifier(cfg: dict[str, Any]) -> dict[str, Any]:
+    """num_labels and pad_token_id of a `*ForSequenceClassification` checkpoint (nothing for
+    a causal LM). One label only: its sigmoid is the relevance score (as sentence-transformers'
+    CrossEncoder and vLLM score); a classifier of several labels is refused."""
+    arch = next((a for a in cfg.get("architectures") or []
+                 if a.endswith("ForSequenceClassification")), None)
+    if arch is None:
+        return {}
+    # NOTE: transformers writes id2label (num_labels is derived from it; 2 without one)
+    labels = len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
+    if labels != 1:
+        raise ValueError(f"{arch} with {labels} labels: only cross-encoders of one label (a "
+                         "relevance score) are served, for /v1/rerank and /score")
+    # NOTE: sentence-transformers' CrossEncoder reads its activation here (the older key too)
+    activation = (cfg.get("sentence_transformers") or {}).get("activation_fn") or cfg.get(
+        "sbert_ce_default_activation_function")
+    if activation not in (None, _SIGMOID):
+        raise ValueError(f"{arch}: its config asks for the activation {activation}; only the "
+                         "sigmoid of the score is served")
+    return {"num_labels": labels, "pad_token_id": cfg.get("pad_token_id")}
 
 
 def hf_layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int | None, ...]:

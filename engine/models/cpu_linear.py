@@ -121,9 +121,11 @@ def pack_linears(model: nn.Module, mode: str) -> None:
 
 
 def _tied_embedding(model: nn.Module) -> nn.Embedding | None:
-    """The embedding that doubles as the LM head (lm_head None), if the model has one."""
+    """The embedding that doubles as the LM head (lm_head None), if the model has one (a
+    cross-encoder, with a score head, has no LM head at all)."""
     embed = getattr(model, "embed_tokens", None)
-    tied = getattr(model, "lm_head", False) is None and type(embed) is nn.Embedding
+    tied = (getattr(model, "lm_head", False) is None and getattr(model, "score", None) is None
+            and type(embed) is nn.Embedding)
     return embed if tied else None
 
 

@@ -276,8 +276,12 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else linear(
+        # NOTE: a sequence classifier (cross-encoder) has a score head instead of an LM head:
+        # it only pools (engine/run/pooling.py), and the engine refuses to generate with it
+        classifier = cfg.num_labels is not None
+        self.lm_head = None if cfg.tie_word_embeddings or classifier else linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.score = linear(cfg.hidden_size, cfg.num_labels) if classifier else None
         self.rope: RotaryEmbedding | None = None
         self.local_rope: RotaryEmbedding | None = None  # Gemma 3's windowed layers
         self.fused_cpu_ops = False  # rope in kernels/cpu/ops.py's C kernel (accelerate.py)

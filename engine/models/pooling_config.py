@@ -19,8 +19,16 @@ _ST_FLAGS = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean
 _ST_PASSIVE = {"Transformer", "Pooling", "Normalize"}
 
 
-def pooling_info(model_dir: Path | None, dimensions: int, override: str | None) -> PoolingInfo:
-    """The model's pooling (model_dir None: a GGUF file, which has no such config)."""
+def pooling_info(model_dir: Path | None, dimensions: int, override: str | None,
+                 num_labels: int | None = None) -> PoolingInfo:
+    """The model's pooling (model_dir None: a GGUF file, which has no such config).
+    num_labels: a cross-encoder's (its score head pools the last token, nothing to choose)."""
+    if num_labels is not None:
+        if override is not None:
+            raise ValueError(f"pooling {override}: this model is a cross-encoder (a sequence "
+                             "classifier), which pools the last token with its score head")
+        return PoolingInfo(dimensions=num_labels, method="last", normalize=False,
+                           source="classifier", num_labels=num_labels)
     hf = _json(model_dir / "config.json") if model_dir is not None else None
     matryoshka = (hf or {}).get("matryoshka_dimensions")
     shape: dict[str, Any] = dict(

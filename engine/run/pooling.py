@@ -1,6 +1,7 @@
 """Pooling of prefill-only (embedding) rows: each step's prompt chunk of hidden states is folded
 into the row's running pool (mean sums across chunks, CLS keeps position 0, last the final
-position), and the row's vector is returned when its chunk reaches the end of the prompt."""
+position), and the row's vector is returned when its chunk reaches the end of the prompt. A
+cross-encoder's score head, when the model has one, turns the pooled state into its score."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.step_plan import StepPlan
 from ipc.sampling import SamplingParams
@@ -30,7 +32,10 @@ class _Partial:
 class Pooler:
     """Running pools by row key, kept across a long prompt's chunks until the last one."""
 
-    def __init__(self) -> None:
+    def __init__(self, head: nn.Module | None = None) -> None:
+        """head: a cross-encoder's score head (hidden -> num_labels, the model's `score`),
+        applied to the last token's state; a row's vector is then its sigmoid."""
+        self._head = head
         self._partial: dict[str, _Partial] = {}
 
     def drop(self, keys: list[str]) -> None:
@@ -54,8 +59,8 @@ class Pooler:
                 self._partial.pop(key, None)
             self._fold(key, params.method, chunk, start)
             if start + n == row.num_prompt_tokens:
-                done[key] = _finish(self._partial.pop(key, None), params.method, chunk,
-                                    params.dimensions, bool(params.normalize))
+                done[key] = self._finish(self._partial.pop(key, None), params.method, chunk,
+                                         params.dimensions, bool(params.normalize))
         return done
 
     def _fold(self, key: str, method: str | None, chunk: torch.Tensor, start: int) -> None:
@@ -71,15 +76,21 @@ class Pooler:
             self._partial[key] = _Partial(chunk[0].float().clone(), 1)
 
 
-def _finish(part: _Partial | None, method: str | None, chunk: torch.Tensor,
-            dimensions: int | None, normalize: bool) -> list[float]:
-    if method == "last":
-        vec = chunk[-1].float()
-    else:
-        assert part is not None, f"{method} pooling lost its partial pool"
-        vec = part.total / part.count if method == "mean" else part.total
-    if dimensions is not None:  # NOTE: Matryoshka: truncate first, then normalize (vLLM)
-        vec = vec[:dimensions]
-    if normalize:
-        vec = F.normalize(vec, dim=0)
-    return vec.tolist()
+    def _finish(self, part: _Partial | None, method: str | None, chunk: torch.Tensor,
+                dimensions: int | None, normalize: bool) -> list[float]:
+        if self._head is not None:
+            # NOTE: a cross-encoder (HF's *ForSequenceClassification): the head on the last
+            # token's state, then a sigmoid (one label: sentence-transformers' CrossEncoder
+            # and vLLM score so). The engine sends it last-token rows only.
+            assert method == "last", f"a score head pools the last token, not {method}"
+            return torch.sigmoid(self._head(chunk[-1:])[0].float()).tolist()
+        if method == "last":
+            vec = chunk[-1].float()
+        else:
+            assert part is not None, f"{method} pooling lost its partial pool"
+            vec = part.total / part.count if method == "mean" else part.total
+        if dimensions is not None:  # NOTE: Matryoshka: truncate first, then normalize (vLLM)
+            vec = vec[:dimensions]
+        if normalize:
+            vec = F.normalize(vec, dim=0)
+        return vec.tolist()

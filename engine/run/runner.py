@@ -59,7 +59,8 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.states = RowStates(self.max_blocks_per_seq, device)
-        self.pooler = Pooler()  # embedding rows' running pools across prompt chunks
+        # embedding rows' running pools across prompt chunks (a cross-encoder's: its head)
+        self.pooler = Pooler(model.score)
         self.kv_caches, self.cpu_caches = _caches(model.cfg, num_blocks, block_size,
                                                   num_cpu_blocks, kv_dtype, device)
         model.init_rope(max_model_len, device)

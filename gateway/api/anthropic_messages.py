@@ -31,7 +31,7 @@ from gateway.api.anthropic_types import (
 from gateway.body import read_body
 from gateway.choice_events import ChoiceEvents
 from gateway.errors import ApiError
-from gateway.generation import Generation, Piece, piece_error
+from gateway.generation import Generation, Piece, ended_error, piece_error
 from gateway.resumable_sse import resumable_sse, wants_resumable
 from gateway.service import Gateway
 from gateway.streaming import DisconnectAwareResponse, EventStreamResponse, json_response, prepend
@@ -126,7 +126,7 @@ class MessagesApi:
                 if piece is None:
                     continue
                 if piece.finish_reason in (FINISH_ERROR, FINISH_ABORT):
-                    return anthropic_error_response(_ended(piece))
+                    return anthropic_error_response(ended_error(piece))
                 blocks.feed(choice.feed(piece))
                 finish = piece.finish_reason or finish
         finally:
@@ -152,7 +152,7 @@ class MessagesApi:
                     yield sse(Ping())
                     continue
                 if piece.finish_reason in (FINISH_ERROR, FINISH_ABORT):
-                    yield sse_error(_ended(piece))
+                    yield sse_error(ended_error(piece))
                     return
                 if not started:
                     started = True
@@ -182,15 +182,6 @@ class MessagesApi:
 
 
 _NO_END = ApiError(500, "the engine stream ended without a final output", "engine_error")
-
-
-def _ended(piece: Piece) -> ApiError:
-    """The error of a reply that did not finish: the engine's, or a cancel's."""
-    if piece.finish_reason == FINISH_ABORT:
-        # NOTE: the SDK retries a 5xx unless told not to: a cancel is not to be resent
-        return ApiError(500, "the request was cancelled before it finished", "cancelled",
-                        headers={"x-should-retry": "false"})
-    return piece_error(piece)
 
 
 def _usage(gen: Generation) -> MessageUsage:

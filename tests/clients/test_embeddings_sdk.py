@@ -5,7 +5,10 @@ SDK), LangChain's OpenAIEmbeddings and raw HTTP; references from sentence-transf
 from __future__ import annotations
 
 import math
+import re
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -14,7 +17,7 @@ import torch
 from langchain_openai import OpenAIEmbeddings
 from sentence_transformers import SentenceTransformer
 from tiny_embedder import embedder_dir
-from tiny_server import running_server
+from tiny_server import metric, running_server, wait_idle
 
 MODEL = "tiny-embed"
 TEXTS = ["The cat sat on the mat.", "Paged attention keeps the KV cache in fixed blocks.",
@@ -177,6 +180,48 @@ def test_generation_still_served_and_blocks_balance(url, client):
     free = [line for line in text.splitlines() if line.startswith("pagedserve_kv_blocks_free")]
     total = [line for line in text.splitlines() if line.startswith("pagedserve_kv_blocks_total")]
     assert free and total and free[0].split()[-1] == total[0].split()[-1], (free, total)
+
+
+def _kv_balanced(url: str) -> bool:
+    return metric(url, "pagedserve_kv_blocks_free") == metric(url, "pagedserve_kv_blocks_total")
+
+
+def _finished(url: str) -> dict[str, float]:
+    """The gateway's count of finished (engine) requests by finish reason."""
+    found = re.findall(r'^pagedserve_requests_total\{finish_reason="(\w+)"\} (\S+)$',
+                       httpx.get(f"{url}/metrics").text, re.M)
+    return {reason: float(n) for reason, n in found}
+
+
+def test_cancel_by_request_id_ends_an_embeddings_request(url, st):
+    """An embeddings request is in the gateway's table under its `request_id`: the cancel
+    route aborts its engine requests (512 inputs of 128 tokens: ~1000 steps of 64 tokens,
+    about a second here, cancelled within a few ms), the client gets 500 `cancelled`, each
+    engine request ends once, and the KV blocks balance."""
+    n = 512
+    inputs = [[10 + (7 * i + j) % 5000 for j in range(128)] for i in range(n)]
+    before = _finished(url)
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(httpx.post, f"{url}/v1/embeddings", timeout=60,
+                           json={"input": inputs, "request_id": "emb-cancel"})
+        while (cancel := httpx.post(f"{url}/v1/requests/emb-cancel/cancel")).status_code == 404:
+            assert not call.done(), "it finished before the cancel found it"
+            time.sleep(0.005)
+        reply = call.result()
+    assert cancel.json() == {"id": "emb-cancel", "object": "request.cancelled", "cancelled": True}
+    assert reply.status_code == 500 and reply.json()["error"]["code"] == "cancelled", reply.text
+    assert reply.headers["x-should-retry"] == "false"
+    assert wait_idle(url) == 0 and _kv_balanced(url)
+    after = _finished(url)
+    # NOTE: each engine request counted once: aborted, or (the first few, done before the
+    # cancel arrived) finished
+    assert sum(after.values()) - sum(before.values()) == n
+    assert after.get("abort", 0) - before.get("abort", 0) > n - 32
+    assert httpx.post(f"{url}/v1/requests/emb-cancel/cancel").status_code == 404
+    again = httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS[0], "request_id": "emb-cancel",
+                                                     "encoding_format": "float"}, timeout=60)
+    assert again.status_code == 200 and again.json()["id"] == "emb-cancel"
+    assert _cos(again.json()["data"][0]["embedding"], st.encode(TEXTS[:1])[0]) >= 0.9999
 
 
 def test_pagedserve_sdk_embeddings_rerank_score(url, st):

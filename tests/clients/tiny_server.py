@@ -86,13 +86,21 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) ->
 @contextmanager
 def running_server(*extra: str) -> Iterator[str]:
     """A server on a free 127.0.0.1 port; yields its base URL and stops it on exit."""
+    with running_process(*extra) as (url, _):
+        yield url
+
+
+@contextmanager
+def running_process(*extra: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """running_server, with its process (a test may signal it: it is stopped on exit unless
+    it has exited already)."""
     port = free_port()
     proc = subprocess.Popen(serve_argv(port, *extra), cwd=ROOT, stdout=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)
-        yield url
+        yield url, proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -1,16 +1,22 @@
 """/v1/embeddings, rerank and score against the scripted engine: what reaches the engine, a
-client that leaves aborts every engine request, an engine failure is a 500 in OpenAI's shape."""
+client that leaves aborts every engine request, an engine failure is a 500 in OpenAI's shape,
+and pooling requests in the gateway's table: the cancel route ends them, a drain waits."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from gateway_fakes import FakeEngine, serve
 
 from gateway.app import build_app
+from gateway.cli import _Drainer
+from gateway.service import Gateway
+from ipc.messages import TokenDelta
 from ipc.pooling import PoolingInfo
+from ipc.sd_notify import Notifier
 
 
 async def test_requests_reach_the_engine_as_pooling_requests(fake_engine: FakeEngine) -> None:
@@ -65,3 +71,66 @@ async def test_an_engine_that_cannot_pool_is_a_400(fake_engine: FakeEngine) -> N
                            ("/v1/rerank", {"query": "q", "documents": ["a"]})):
             reply = await http.post(path, json=body)
             assert reply.status_code == 400 and reply.json()["error"]["param"] == "model"
+
+
+async def _until(predicate, what: str) -> None:
+    for _ in range(500):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")
+
+
+@pytest.mark.parametrize(("path", "body", "count"), [
+    ("/v1/embeddings", {"input": "one"}, 1),
+    ("/v1/rerank", {"query": "q", "documents": ["a", "b"]}, 3)])
+async def test_cancel_by_request_id_ends_every_engine_request(
+        fake_engine: FakeEngine, path: str, body: dict, count: int) -> None:
+    """Pooling requests are in the gateway's table under the request's `request_id`: the
+    cancel route finds them, a second request cannot take the id, and the client's answer is
+    500 `cancelled` (not to be retried)."""
+    fake_engine.interval = 30.0  # NOTE: never finishes by itself
+    gw = Gateway(fake_engine)
+    async with serve(build_app(fake_engine, gateway=gw)) as url, \
+            httpx.AsyncClient(base_url=url) as http:
+        call = asyncio.create_task(http.post(path, json={**body, "request_id": "pool-1"}))
+        await _until(lambda: len(fake_engine.submitted) == count, "all submitted")
+        assert len(gw.generations) == count
+        again = await http.post(path, json={**body, "request_id": "pool-1"})
+        assert again.status_code == 400 and again.json()["error"]["param"] == "request_id"
+        cancelled = await http.post("/v1/requests/pool-1/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["cancelled"] is True
+        reply = await call
+        assert reply.status_code == 500 and reply.json()["error"]["code"] == "cancelled"
+        assert reply.headers["x-should-retry"] == "false"
+        assert (await http.post("/v1/requests/pool-1/cancel")).status_code == 404
+    assert sorted(fake_engine.aborted) == sorted(m.request_id for m in fake_engine.submitted)
+    assert not gw.generations
+
+
+async def test_a_drain_waits_for_pooling_requests(fake_engine: FakeEngine) -> None:
+    """SIGTERM's checklist (gateway/cli.py _Drainer) waits while an embeddings request is in
+    flight, and stops the server once it has answered."""
+    fake_engine.interval = 30.0
+    gw = Gateway(fake_engine)
+    server = SimpleNamespace(should_exit=False)
+    drainer = _Drainer(gw, 30.0, Notifier({}))
+    async with serve(build_app(fake_engine, gateway=gw)) as url, \
+            httpx.AsyncClient(base_url=url) as http:
+        call = asyncio.create_task(http.post("/v1/embeddings", json={"input": [[4, 5]]}))
+        await _until(lambda: fake_engine.submitted, "submitted")
+        drain = asyncio.create_task(drainer.drain(server))  # type: ignore[arg-type]
+        await _until(lambda: gw.draining, "draining")
+        refused = await http.post("/v1/embeddings", json={"input": "x"})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_draining"
+        await asyncio.sleep(0.2)
+        assert not drain.done() and not server.should_exit
+        # NOTE: the engine answers now (the fake's feed would only after 30 s)
+        (rid,) = [m.request_id for m in fake_engine.submitted]
+        fake_engine._tasks.pop(rid).cancel()
+        fake_engine.streams[rid].queue.put_nowait(
+            TokenDelta(request_id=rid, finish_reason="stop", pooled=[1.0, 2.0]))
+        reply = await call
+        await asyncio.wait_for(drain, 5)
+    assert reply.status_code == 200 and reply.json()["data"][0]["embedding"] == [1.0, 2.0]
+    assert server.should_exit and not drainer.timed_out and not fake_engine.aborted
