@@ -130,12 +130,25 @@ def test_without_a_compiler_auto_is_torch(tmp_path):
 
 
 def test_the_build_is_cached_per_source_and_machine(tmp_path):
-    env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path)}
-    code = "import kernels.attention.cpu_backend"
-    for _ in range(2):
-        subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120, env=env)
-    built = list((tmp_path / "kernels").iterdir())
+    # NOTE: kernels/cc_build.py on a one-line source (the whole CPU library takes 10-15 s to
+    # build): two processes build it once, an edited source is a second library
+    env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path / "cache")}
+    src = tmp_path / "one.c"
+    code = ("import sys; from pathlib import Path; from kernels import cc_build; "
+            "print(cc_build.build('one', [(Path(sys.argv[1]), ['-O2', '-fPIC'])]).one())")
+
+    def run() -> str:
+        return subprocess.run([sys.executable, "-c", code, str(src)], cwd=ROOT, check=True,
+                              timeout=120, env=env, capture_output=True, text=True).stdout
+    src.write_text("int one(void) { return 1; }\n")
+    assert run() == "1\n"
+    built = list((tmp_path / "cache" / "kernels").iterdir())
     assert len(built) == 1 and built[0].suffix == ".so", built
+    stamp = built[0].stat().st_mtime_ns
+    assert run() == "1\n" and built[0].stat().st_mtime_ns == stamp  # NOTE: loaded, not rebuilt
+    src.write_text("int one(void) { return 2; }\n")
+    assert run() == "2\n"
+    assert len(list((tmp_path / "cache" / "kernels").iterdir())) == 2
 
 
 def test_auto_is_cpu_here():
