@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import websockets
 from gateway_fakes import FakeEngine, serve
@@ -123,6 +124,10 @@ async def test_adapters_run_on_their_parent_and_load_with_base_model_name(
         assert (await complete("b-sql")).status_code == 404
         assert {k: (c["parent"], c["root"]) for k, c in (await cards()).items()} == {
             "a": (None, None), "a-sql": ("a", "/adapters/sql"), "b": (None, None)}
+        engines["a"].stats = msgspec.structs.replace(engines["a"].stats, lora_adapters=1)
+        metrics = (await http.get("/metrics")).text  # each model's own engines' count
+        for name, count in (("a", 1), ("b", 0)):
+            assert f'pagedserve_lora_adapters{{model_name="{name}"}} {count}.0' in metrics
         load = {"lora_name": "b-sql", "lora_path": "/adapters/b-sql"}
         asked = await http.post("/v1/load_lora_adapter", json=load)
         assert asked.status_code == 400, asked.text  # both run LoRA: which one?
