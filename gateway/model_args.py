@@ -53,7 +53,7 @@ def check_model_args(ns: argparse.Namespace) -> None:
         specs = specs_from_flags(entries, base, ns.data_parallel_size)
     else:
         specs = [spec_of(None, {}, base, ns.data_parallel_size)]
-    specs = with_flag_adapters(specs, adapters)
+    specs = _with_flag_adapters(specs, adapters)
     ns.model_specs, ns.model_base = specs, base
     ns.several_models = ns.config is not None or len(specs) > 1 or ns.enable_model_management
     if not ns.several_models:
@@ -72,7 +72,7 @@ def check_model_args(ns: argparse.Namespace) -> None:
                     "port can load and unload models")
 
 
-def with_flag_adapters(specs: list[ModelSpec], entries: list[str]) -> list[ModelSpec]:
+def _with_flag_adapters(specs: list[ModelSpec], entries: list[str]) -> list[ModelSpec]:
     """`specs` with `--lora-modules`' adapters added to the models they name (ValueError
     names the entry, or the model whose engines run without LoRA)."""
     owned = modules_by_model(entries, [s.name for s in specs])
