@@ -1,4 +1,4 @@
-"""The LoRA adapters one engine pool serves, as the gateway knows them (name -> PEFT
+"""The LoRA adapters one model's engines serve, as the gateway knows them (name -> PEFT
 directory), and whether the run-time load/unload routes are allowed."""
 
 from __future__ import annotations
@@ -17,20 +17,21 @@ def runtime_updating_allowed(flag: bool) -> bool:
 
 @dataclass
 class LoraRegistry:
-    """The adapters one engine pool serves: name -> PEFT directory, and when each appeared."""
+    """The adapters one model's engines serve: name -> PEFT directory, and when each appeared."""
 
-    enabled: bool = False  # the pool's engines run with --enable-lora
-    runtime_updates: bool = False  # the load/unload routes are allowed
+    enabled: bool = False  # the model's engines run with --enable-lora
     paths: dict[str, str] = field(default_factory=dict)
     created: dict[str, int] = field(default_factory=dict)
+    loading: set[str] = field(default_factory=set)  # names asked of the engines, not answered
 
     @classmethod
-    def from_modules(cls, enabled: bool, modules: tuple[str, ...],
-                     runtime_updates: bool) -> LoraRegistry:
+    def from_modules(cls, enabled: bool, modules: tuple[str, ...]) -> LoraRegistry:
         paths = dict(entry.partition("=")[::2] for entry in modules)
-        now = int(time.time())
-        return cls(enabled, runtime_updating_allowed(runtime_updates), paths,
-                   dict.fromkeys(paths, now))
+        return cls(enabled, paths, dict.fromkeys(paths, int(time.time())))
+
+    def holds(self, name: str) -> bool:
+        """Whether `name` is one of these adapters, or one on its way in."""
+        return name in self.paths or name in self.loading
 
     def set(self, names: list[str], name: str, path: str | None) -> None:
         """After an engine answered: `names` are loaded; `name` was added (path) or removed."""

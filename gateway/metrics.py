@@ -53,7 +53,14 @@ _ENGINE_METRICS = (
      "Requests that waited for their grammar to compile", "grammar_waits"),
     (CounterMetricFamily, "pagedserve_grammar_failures",
      "Grammars the engine refused or could not compile in time", "grammar_failures"),
-    (GaugeMetricFamily, "pagedserve_lora_adapters", "LoRA adapters loaded", "lora_adapters"),
+)
+
+
+# (kind, name, help, EngineStats field): a model's adapters, labelled by model_name as vLLM's
+# series are (each model's own engines: adapters are per model)
+_LORA_METRICS = (
+    (GaugeMetricFamily, "pagedserve_lora_adapters",
+     "LoRA adapters loaded (summed over the model's engines)", "lora_adapters"),
     (GaugeMetricFamily, "pagedserve_lora_slots_used", "LoRA device slots holding an adapter",
      "lora_slots_used"),
     (GaugeMetricFamily, "pagedserve_lora_slots_total", "LoRA device slots (max_loras)",
@@ -116,9 +123,10 @@ class _EngineCollector(Collector):
         yield from self._vllm(s)
 
     def _vllm(self, s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        # NOTE: one series per served model, from that model's engines (several models)
+        # NOTE: one series per served model, from that model's engines (several models):
+        # vLLM's, and ours of its LoRA adapters
         models = [(name, m or EngineStats()) for name, m in self._per_model()]
-        for family, name, help_text, field in _VLLM_ENGINE_METRICS:
+        for family, name, help_text, field in _VLLM_ENGINE_METRICS + _LORA_METRICS:
             metric = family(name, help_text, labels=["model_name"])
             for model, ms in models:
                 metric.add_metric([model], getattr(ms, field))

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 from gateway.engine_client import EngineClient
 from gateway.engine_pool import EnginePool
+from gateway.lora_modules import modules_by_model
 from gateway.model_registry import Engines, ModelRegistry
-from gateway.model_specs import ModelSpec, spec_of, specs_from_file, specs_from_flags
+from gateway.model_specs import ModelSpec, spec_of, specs_from_file, specs_from_flags, unique
 from ipc.config import config_from_args
 from ipc.model_source import model_name
 
@@ -38,6 +40,8 @@ def check_model_args(ns: argparse.Namespace) -> None:
     path again, for the flags and configs that read it."""
     entries: list[str] = ns.model or []
     ns.model = None
+    # NOTE: the flag's adapters belong to the model each names, not to every model's engines
+    adapters, ns.lora_modules = list(ns.lora_modules), []
     base = config_from_args(ns)
     if ns.config is not None:
         if entries:
@@ -49,10 +53,12 @@ def check_model_args(ns: argparse.Namespace) -> None:
         specs = specs_from_flags(entries, base, ns.data_parallel_size)
     else:
         specs = [spec_of(None, {}, base, ns.data_parallel_size)]
+    specs = _with_flag_adapters(specs, adapters)
     ns.model_specs, ns.model_base = specs, base
     ns.several_models = ns.config is not None or len(specs) > 1 or ns.enable_model_management
     if not ns.several_models:
         ns.model = specs[0].config.model
+        ns.lora_modules = list(specs[0].config.lora_modules)
         if specs[0].name != model_name(ns.model, ns.served_model_name):  # NOTE: NAME=PATH
             ns.served_model_name = specs[0].name
         return
@@ -61,14 +67,23 @@ def check_model_args(ns: argparse.Namespace) -> None:
                          "(or --enable-model-management) each gets its own sockets")
     if ns.nnodes > 1 or ns.headless:
         raise ValueError("--nnodes > 1 serves one model (start one server per model)")
-    if ns.enable_lora or any(s.config.enable_lora for s in specs):
-        # NOTE: an adapter's requests would need its parent's pool (ModelRegistry.add_alias)
-        # and /v1/models its card per model: not built yet, so refused rather than half-served
-        raise ValueError("--enable-lora serves the adapters of one model: with several models "
-                         "(or --enable-model-management) start one server per adapted model")
     if ns.enable_model_management and not ns.api_key:
         log.warning("--enable-model-management without --api-key: anyone who reaches the "
                     "port can load and unload models")
+
+
+def _with_flag_adapters(specs: list[ModelSpec], entries: list[str]) -> list[ModelSpec]:
+    """`specs` with `--lora-modules`' adapters added to the models they name (ValueError
+    names the entry, or the model whose engines run without LoRA)."""
+    owned = modules_by_model(entries, [s.name for s in specs])
+    out = []
+    for spec in specs:
+        if spec.name in owned and not spec.config.enable_lora:
+            raise ValueError(f"--lora-modules: the model `{spec.name}` runs without LoRA: add "
+                             "--enable-lora (or enable_lora = true in its --config table)")
+        modules = spec.config.lora_modules + owned.get(spec.name, ())
+        out.append(replace(spec, config=spec.config.replace(lora_modules=modules)))
+    return unique(out)
 
 
 def engines_for(ns: argparse.Namespace) -> Engines | ModelRegistry:

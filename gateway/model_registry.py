@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gateway.engine_client import EngineClient, EngineUnavailableError, RequestStream
 from gateway.engine_pool import EnginePool, add_up
+from gateway.lora_registry import LoraRegistry
 from gateway.model_specs import ModelSpec
 from ipc.config import EngineConfig
 from ipc.messages import AddRequest, EngineReady, EngineStats
@@ -28,11 +29,24 @@ class UnknownModelError(KeyError):
     """No model (or adapter) is served under this name."""
 
 
+class NameTakenError(ValueError):
+    """A model's or an adapter's name is in use; `param` is the field that gave it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(eq=False)
 class ServedModel:
     spec: ModelSpec
     engines: Engines
     created: int = field(default_factory=lambda: int(time.time()))  # when it was loaded
+    loras: LoraRegistry = field(init=False)  # its engines' adapters: gone with the model
+
+    def __post_init__(self) -> None:
+        config = self.spec.config
+        self.loras = LoraRegistry.from_modules(config.enable_lora, config.lora_modules)
 
     @property
     def name(self) -> str:
@@ -52,8 +66,7 @@ class ServedModel:
 
 class ModelRegistry:
     """The served models, in the order they were given (the first is the default for requests
-    that name none). `aliases` maps other names (LoRA adapters) to the model that serves them.
-    """
+    that name none), each with its LoRA adapters: a name is a model's or one adapter's."""
 
     def __init__(self, specs: list[ModelSpec], factory: EngineFactory,
                  base: EngineConfig | None = None) -> None:
@@ -62,7 +75,6 @@ class ModelRegistry:
         self.base = base or EngineConfig()
         self.models: dict[str, ServedModel] = {s.name: ServedModel(s, factory(s)) for s in specs}
         self.known: dict[str, ModelSpec] = {s.name: s for s in specs}  # for a reload by name
-        self.aliases: dict[str, str] = {}
         self.busy: dict[str, str] = {}  # name -> "loading" | "unloading"
         self._starting: dict[str, ServedModel] = {}  # loading: closed too if the server stops
         self._closing = False
@@ -75,31 +87,31 @@ class ModelRegistry:
             if not self.models:
                 raise UnknownModelError("no model is loaded")
             return next(iter(self.models.values()))
-        served = self.models.get(self.aliases.get(name, name))
+        served = self.models.get(name) or self.parent_of(name)
         if served is None:
             raise UnknownModelError(name)
         return served
 
-    def add_alias(self, name: str, parent: str) -> None:
-        """Serve `name` (an adapter) from `parent`'s engines."""
-        if parent not in self.models:
-            raise UnknownModelError(parent)
-        if name in self.models:
-            raise ValueError(f"`{name}` is a model's own name")
-        self.aliases[name] = parent
+    def parent_of(self, adapter: str) -> ServedModel | None:
+        """The model one of whose adapters is named `adapter`."""
+        return next((m for m in self.models.values() if adapter in m.loras.paths), None)
 
-    def remove_alias(self, name: str) -> None:
-        self.aliases.pop(name, None)
+    def holder(self, name: str) -> str | None:
+        """What has `name` now: a model (loaded, loading or unloading) or an adapter of one."""
+        if name in self.models or name in self.busy:
+            return f"the model `{name}`"
+        parent = next((m for m in (*self.models.values(), *self._starting.values())
+                       if m.loras.holds(name)), None)
+        return None if parent is None else f"an adapter of the model `{parent.name}`"
 
     # ---- run-time loading ---------------------------------------------------------------
 
     async def load(self, spec: ModelSpec) -> ServedModel:
-        """Start `spec`'s engines and serve it once they are ready (ValueError if its name is
-        taken or busy; EngineUnavailableError if they fail to start)."""
+        """Start `spec`'s engines and serve it once they are ready (NameTakenError if its name
+        or one of its adapters' is in use; EngineUnavailableError if they fail to start)."""
         if self._closing:
             raise EngineUnavailableError("the server is shutting down")
-        if spec.name in self.models or spec.name in self.busy or spec.name in self.aliases:
-            raise ValueError(f"a model named `{spec.name}` is loaded already (or loading)")
+        self._check_names(spec)
         served = ServedModel(spec, self._factory(spec))
         self.busy[spec.name] = "loading"
         self._starting[spec.name] = served
@@ -114,13 +126,25 @@ class ModelRegistry:
         self.known[spec.name] = spec
         return served
 
+    def _check_names(self, spec: ModelSpec) -> None:
+        """NameTakenError if `spec`'s name or one of its adapters' is in use."""
+        if spec.name in self.models or spec.name in self.busy:
+            raise NameTakenError(f"a model named `{spec.name}` is loaded already (or loading)",
+                                 "model")
+        for name in (spec.name, *spec.adapters):
+            held = self.holder(name)
+            if held is not None:
+                what = "" if name == spec.name else f" of the model `{spec.name}`"
+                kind = "model" if name == spec.name else "adapter"
+                raise NameTakenError(f"the {kind} `{name}`{what} has the name of {held}",
+                                     "model" if name == spec.name else "lora_modules")
+
     async def unload(self, name: str, timeout: float = 0.0) -> ServedModel:
         """Stop routing to `name` at once, give its requests `timeout` s to finish, abort the
         rest (each ends with its terminal delta) and wait for its engine processes to exit."""
         served = self.models.pop(name, None)
         if served is None:
             raise UnknownModelError(name)
-        self.aliases = {a: p for a, p in self.aliases.items() if p != name}
         self.busy[name] = "unloading"
         try:
             await served.engines.close(timeout=timeout)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from gateway.lora_modules import check_unique_names, modules_option
 from ipc.config import EngineConfig
 from ipc.model_source import model_name
 
@@ -34,6 +35,11 @@ class ModelSpec:
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be >= 1")
 
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the LoRA adapters its engines load at start, in order."""
+        return [entry.partition("=")[0] for entry in self.config.lora_modules]
+
 
 def spec_of(name: str | None, options: Mapping[str, Any], base: EngineConfig,
             data_parallel_size: int = 1) -> ModelSpec:
@@ -44,14 +50,22 @@ def spec_of(name: str | None, options: Mapping[str, Any], base: EngineConfig,
             raise ValueError(f"unknown model option `{key}` (engine options are the serve "
                              "flags' names with underscores, e.g. max_model_len)")
     for key, value in options.items():
-        _check_type(key, value, _KINDS.get(key, "str | None"))
-    engine = {k: float(v) if _KINDS[k].startswith("float") and v is not None else v
-              for k, v in options.items() if k in _OPTIONS}
+        if key != "lora_modules":  # NOTE: checked by modules_option
+            _check_type(key, value, _KINDS.get(key, "str | None"))
     path = options.get("path", base.model)
     served = name or model_name(path, base.served_model_name)
+    if "lora_modules" in options:  # NOTE: a list of name=path or tables: the engine's tuple
+        options = {**options, "lora_modules": modules_option(options["lora_modules"], served)}
+    engine = {k: float(v) if _KINDS[k].startswith("float") and v is not None else v
+              for k, v in options.items() if k in _OPTIONS}
     config = base.replace(model=path, served_model_name=served, **engine)  # ValueError
     dp = options.get("data_parallel_size", data_parallel_size)
-    return ModelSpec(name=served, config=config, data_parallel_size=dp)
+    spec = ModelSpec(name=served, config=config, data_parallel_size=dp)
+    try:
+        check_unique_names({served: spec.adapters})
+    except ValueError as exc:
+        raise ValueError(f"`lora_modules`: {exc}") from None
+    return spec
 
 
 # the kind each option's flag parses: "int", "float | None", ... (the fields' annotations)
@@ -86,7 +100,7 @@ def specs_from_flags(models: list[str], base: EngineConfig,
         if not sep or "/" in name or not name:
             name, path = "", entry
         specs.append(spec_of(name or None, {"path": path}, base, data_parallel_size))
-    return _unique(specs)
+    return unique(specs)
 
 
 def specs_from_file(path: Path, base: EngineConfig, data_parallel_size: int) -> list[ModelSpec]:
@@ -113,14 +127,16 @@ def specs_from_file(path: Path, base: EngineConfig, data_parallel_size: int) -> 
             specs.append(spec_of(str(name), options, base, data_parallel_size))
         except ValueError as exc:
             raise ValueError(f"--config {path}: models.{name}: {exc}") from None
-    return _unique(specs)
+    return unique(specs)
 
 
-def _unique(specs: list[ModelSpec]) -> list[ModelSpec]:
+def unique(specs: list[ModelSpec]) -> list[ModelSpec]:
+    """`specs`, once no two models share a name and no adapter has another's name."""
     seen: set[str] = set()
     for spec in specs:
         if spec.name in seen:
             raise ValueError(f"two models are served as `{spec.name}`: name them apart "
                              "(--model NAME=PATH, or the config file's table names)")
         seen.add(spec.name)
+    check_unique_names({spec.name: spec.adapters for spec in specs})
     return specs

@@ -398,10 +398,10 @@ def _lora(refs: dict[str, Schema]) -> Schema:
                 "schema": {"type": "string"}}}}, **_errors(refs, 400, 401, 404, 413, 503)}}}
 
     return {"/v1/load_lora_adapter": post(
-                "loadLoraAdapter", "LoadLoraRequest", "loaded on every engine",
+                "loadLoraAdapter", "LoadLoraRequest", "loaded on every engine of its model",
                 {"lora_name": "sql", "lora_path": "/adapters/sql"}),
             "/v1/unload_lora_adapter": post(
-                "unloadLoraAdapter", "UnloadLoraRequest", "unloaded from every engine",
+                "unloadLoraAdapter", "UnloadLoraRequest", "unloaded from every engine of its model",
                 {"lora_name": "sql"})}
 
 

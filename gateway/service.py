@@ -117,8 +117,8 @@ class Gateway:
         self._syntax: dict[Path, CallSyntax] = {}  # per tokenizer directory
         self._unavailable = _engine_exception_types()
         s = self.settings
-        self.loras = LoraRegistry.from_modules(s.enable_lora, s.lora_modules,
-                                               s.allow_runtime_lora_updating)
+        # NOTE: one model's adapters; several models: each view has its own model's
+        self.loras = LoraRegistry.from_modules(s.enable_lora, s.lora_modules)
         self.tracer: RequestTracer | None = None
         if self.settings.otlp_traces_endpoint:
             from gateway.tracing import RequestTracer
@@ -198,6 +198,7 @@ class Gateway:
                            "model") from None
         view = copy.copy(self)
         view.client = served.engines
+        view.loras = served.loras
         view._served_as = model or served.name
         return view
 

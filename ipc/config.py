@@ -175,7 +175,10 @@ class EngineConfig:
                                                                "request (chosen by `model`)"})
     lora_modules: tuple[str, ...] = field(
         default=(), metadata={"help": "adapters loaded at start, as name=path (a PEFT "
-                                      "directory) ... (default: none)", "nargs": "+"}
+                                      "directory) ...; `serve` also takes vLLM's JSON "
+                                      "'{\"name\": ..., \"path\": ..., \"base_model_name\": "
+                                      "...}', which several models need (default: none)",
+                              "nargs": "+"}
     )
     max_loras: int = field(default=1, metadata={"help": "adapters in one step (device slots)"})
     max_lora_rank: int = field(default=16, metadata={"help": "largest adapter rank accepted"})

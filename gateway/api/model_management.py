@@ -14,10 +14,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.api.lora import adapter_cards
 from gateway.body import read_body
 from gateway.engine_client import EngineUnavailableError
 from gateway.errors import ApiError
-from gateway.model_registry import ModelRegistry, ServedModel, UnknownModelError
+from gateway.model_registry import ModelRegistry, NameTakenError, ServedModel, UnknownModelError
 from gateway.model_specs import ModelSpec, spec_of
 from gateway.responses import ModelCard
 from gateway.service import Gateway
@@ -25,9 +26,13 @@ from gateway.validate import decode_body
 
 
 def model_cards(models: ModelRegistry) -> list[ModelCard]:
-    """One card per served model (adapters are the adapters' own cards)."""
-    return [ModelCard(name, m.created, max_model_len=m.engines.info.max_model_len
-                      if m.engines.info else None) for name, m in models.models.items()]
+    """One card per served model, each followed by its adapters' (with `parent`)."""
+    cards = []
+    for name, m in models.models.items():
+        max_len = m.engines.info.max_model_len if m.engines.info else None
+        cards += [ModelCard(name, m.created, max_model_len=max_len),
+                  *adapter_cards(m.loras, name, max_len)]
+    return cards
 
 
 class ModelRoutes:
@@ -64,8 +69,9 @@ class ModelRoutes:
         except EngineUnavailableError as exc:
             return ApiError(503, f"the model `{name}` did not start: {exc}",
                             "engine_unavailable", "model").response()
-        except ValueError as exc:
-            return ApiError(409, str(exc), "model_already_loaded", "model").response()
+        except NameTakenError as exc:
+            code = "model_already_loaded" if exc.param == "model" else "name_in_use"
+            return ApiError(409, str(exc), code, exc.param).response()
         return JSONResponse({"success": True, "model": name, "pids": served.pids})
 
     async def unload(self, request: Request) -> Response:
@@ -181,6 +187,10 @@ def openapi_paths(error: dict[str, Any]) -> dict[str, Any]:
         "model": {"type": "string", "description": "the served name"},
         "path": {"type": "string", "description": "HF directory or .gguf (load: a new model)"},
         "data_parallel_size": {"type": "integer", "minimum": 1},
+        "lora_modules": {"type": "array", "description": "load: its LoRA adapters (with "
+                         "enable_lora), each name=path or {name, path}", "items": {
+                             "oneOf": [{"type": "string"}, {"type": "object", "properties": {
+                                 "name": {"type": "string"}, "path": {"type": "string"}}}]}},
         "timeout": {"type": "number", "minimum": 0,
                     "description": "unload: seconds in-flight requests may finish"}},
         "additionalProperties": True}

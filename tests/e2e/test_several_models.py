@@ -3,6 +3,8 @@ and shapes): each answers under its own name with the greedy tokens HF transform
 that checkpoint; other names are 404 on every generation route, in the route's error shape; a
 data-parallel model keeps both its engines working and its prefix cache hit; one model is
 unloaded (its engine PIDs gone, its in-flight stream ended by one terminal event) and reloaded.
+LoRA adapters of each model (random PEFT ones, per checkpoint) answer as HF PEFT does on their
+own parent, load at run time by `base_model_name`, and go with their model when it unloads.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import httpx
 import openai
 import pagedserve_client as ps
 import pytest
+from lora_adapters import ADAPTERS, build_adapter, peft_model
 from tiny_llama import build_tiny_llama
 
 from tests.e2e.serve_support import ROOT, free_port, wait_health
@@ -50,34 +53,52 @@ def checkpoints(tmp_path_factory, bundled_tokenizer_dir) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def references(checkpoints: dict[str, Path]) -> dict[str, str]:
-    """Each checkpoint's greedy continuation of PROMPT_IDS, by HF transformers."""
+def adapters(checkpoints: dict[str, Path]) -> dict[str, Path]:
+    """A random PEFT adapter of each checkpoint (their shapes differ): name -> directory."""
+    made = {"alpha-all": ("alpha", "all"), "beta-qv": ("beta", "qv")}
+    return {name: build_adapter(checkpoints[base], checkpoints[base].parent / name, seed=i,
+                                **ADAPTERS[kind])
+            for i, (name, (base, kind)) in enumerate(made.items())}
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints: dict[str, Path], adapters: dict[str, Path]) -> dict[str, str]:
+    """Each checkpoint's greedy continuation of PROMPT_IDS, by HF transformers, and each
+    adapter's on its own parent, by HF PEFT."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    models = {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+              for name, path in checkpoints.items()}
+    models |= {name: peft_model(checkpoints[name.split("-")[0]], path)
+               for name, path in adapters.items()}
     out = {}
-    for name, path in checkpoints.items():
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    for name, model in models.items():
         with torch.no_grad():
-            ids = model.generate(torch.tensor([PROMPT_IDS]), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, min_new_tokens=NEW_TOKENS)[0]
-        out[name] = AutoTokenizer.from_pretrained(path).decode(ids[len(PROMPT_IDS):],
-                                                               skip_special_tokens=True)
-    assert out["alpha"] != out["beta"], "the two checkpoints must answer differently"
+            ids = model.generate(input_ids=torch.tensor([PROMPT_IDS]), do_sample=False,
+                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)[0]
+        tok = AutoTokenizer.from_pretrained(checkpoints[name.split("-")[0]])
+        out[name] = tok.decode(ids[len(PROMPT_IDS):], skip_special_tokens=True)
+    assert len(set(out.values())) == len(out), f"each must answer differently: {out}"
     return out
 
 
 @pytest.fixture(scope="module")
-def url(checkpoints: dict[str, Path], tmp_path_factory) -> Iterator[str]:
+def url(checkpoints: dict[str, Path], adapters: dict[str, Path],
+        tmp_path_factory) -> Iterator[str]:
     config = tmp_path_factory.mktemp("config") / "models.toml"
     config.write_text(f'[models.alpha]\npath = "{checkpoints["alpha"]}"\n'
-                      'data_parallel_size = 2\n\n'
-                      f'[models.beta]\npath = "{checkpoints["beta"]}"\nmax_model_len = 512\n')
+                      'data_parallel_size = 2\nenable_lora = true\nmax_loras = 2\n'
+                      f'lora_modules = [{{name = "alpha-all", path = "{adapters["alpha-all"]}"}}]'
+                      '\n\n'
+                      f'[models.beta]\npath = "{checkpoints["beta"]}"\nmax_model_len = 512\n'
+                      'enable_lora = true\n')
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--config",
          str(config), "--max-model-len", "1024", "--num-gpu-blocks", "256", "--max-num-seqs",
          "8", "--num-threads", "1", "--api-key", KEY, "--enable-model-management",
+         "--allow-runtime-lora-updating",
          "--shutdown-timeout", "2", "--log-level", "warning"],
         cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -128,7 +149,7 @@ def test_each_model_answers_under_its_own_name(url: str, references: dict[str, s
                                           messages=[{"role": "user", "content": "hi"}])
     assert chat.model == "beta" and chat.choices[0].message.content is not None
     cards = {m.id: m for m in client.models.list().data}
-    assert set(cards) == {"alpha", "beta"}
+    assert set(cards) == {"alpha", "alpha-all", "beta"}
     assert (cards["alpha"].max_model_len, cards["beta"].max_model_len) == (1024, 512)
     # each model's own context: a prompt that fits alpha is too long for beta
     long = {"prompt": [PROMPT_IDS[0]] * 600, "max_tokens": 1}
@@ -160,6 +181,37 @@ def test_an_unknown_model_is_404_on_every_route(url: str) -> None:
     assert caught.value.body["type"] == "error"
     assert caught.value.body["error"]["type"] == "not_found_error"
     assert "gamma" in caught.value.body["error"]["message"]
+
+
+def _lora(url: str, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/{route}", headers=AUTH, json=body, timeout=120)
+
+
+def test_adapters_answer_on_their_parent_and_load_by_base_model_name(
+        url: str, references: dict[str, str], adapters: dict[str, Path]) -> None:
+    client = _client(url)
+    card = {m.id: m for m in client.models.list().data}["alpha-all"]
+    assert (card.model_extra["parent"], card.model_extra["root"]) == \
+        ("alpha", str(adapters["alpha-all"]))
+    assert _greedy(client, "alpha-all") == references["alpha-all"]
+    with pytest.raises(openai.NotFoundError) as unknown:
+        _greedy(client, "beta-qv")  # not loaded yet: no model has it
+    assert unknown.value.code == "model_not_found"
+    body = {"lora_name": "beta-qv", "lora_path": str(adapters["beta-qv"])}
+    which = _lora(url, "load_lora_adapter", body)  # both models run with LoRA
+    assert which.status_code == 400 and which.json()["error"]["param"] == "base_model_name"
+    loaded = _lora(url, "load_lora_adapter", {**body, "base_model_name": "beta"})
+    assert loaded.status_code == 200, loaded.text
+    card = {m.id: m for m in client.models.list().data}["beta-qv"]
+    assert card.model_extra["parent"] == "beta" and card.max_model_len == 512
+    assert _greedy(client, "beta-qv") == references["beta-qv"]
+    assert _greedy(client, "beta") == references["beta"]
+    deadline = time.monotonic() + 30  # the engines' counts come with their heartbeats
+    while _metric(httpx.get(f"{url}/metrics"), "pagedserve_lora_adapters", "beta") != 1:
+        assert time.monotonic() < deadline, "beta's adapter never counted"
+        time.sleep(0.2)
+    # alpha's two engines hold alpha-all each; beta's adapter is not theirs
+    assert _metric(httpx.get(f"{url}/metrics"), "pagedserve_lora_adapters", "alpha") == 2
 
 
 async def _engines_seen(http: httpx.AsyncClient, seen: list[dict]) -> None:
@@ -214,7 +266,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_unload_ends_in_flight_requests_and_frees_the_engine_then_reload(
-        url: str, references: dict[str, str]) -> None:
+        url: str, references: dict[str, str], adapters: dict[str, Path]) -> None:
     before = _models(url)["beta"]
     assert len(before["pids"]) == 1 and before["resident_bytes"] > 0
     resident = _metric(httpx.get(f"{url}/metrics"), "pagedserve_engine_resident_bytes", "beta")
@@ -248,28 +300,45 @@ def test_unload_ends_in_flight_requests_and_frees_the_engine_then_reload(
                                                                      "prompt": "hi"})
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
     client = _client(url)
-    assert {m.id for m in client.models.list().data} == {"alpha"}
+    assert {m.id for m in client.models.list().data} == {"alpha", "alpha-all"}  # beta-qv: gone
+    with pytest.raises(openai.NotFoundError):
+        _greedy(client, "beta-qv")
     assert _greedy(client, "alpha") == references["alpha"]  # the other model serves on
+    # the one model with LoRA now: base_model_name may be left out (alpha's own adapter again)
+    second = {"lora_name": "alpha-again", "lora_path": str(adapters["alpha-all"])}
+    assert _lora(url, "load_lora_adapter", second).status_code == 200
+    assert _greedy(client, "alpha-again") == references["alpha-all"]
+    assert _lora(url, "unload_lora_adapter", {"lora_name": "alpha-again"}).status_code == 200
 
     reloaded = httpx.post(f"{url}/models/load", headers=AUTH, json={"model": "beta"},
                           timeout=300)
     assert reloaded.status_code == 200, reloaded.text
     assert set(reloaded.json()["pids"]).isdisjoint(before["pids"])
     assert _greedy(client, "beta") == references["beta"]
+    assert "beta-qv" not in {m.id for m in client.models.list().data}  # loaded at run time
     again = httpx.post(f"{url}/models/load", headers=AUTH, json={"model": "beta"})
     assert again.status_code == 409 and again.json()["error"]["code"] == "model_already_loaded"
 
 
 def test_the_sdk_loads_a_new_model_with_engine_options(url: str, checkpoints: dict[str, Path],
-                                                       references: dict[str, str]) -> None:
+                                                       references: dict[str, str],
+                                                       adapters: dict[str, Path]) -> None:
+    path = str(checkpoints["alpha"])
     with ps.Client(url, api_key=KEY, max_retries=0, timeout=300) as sdk:
         with pytest.raises(ps.BadRequestError) as bad:
-            sdk.models.load("gamma", path=str(checkpoints["alpha"]), max_model_len="long")
+            sdk.models.load("gamma", path=path, max_model_len="long")
         assert bad.value.param == "max_model_len"
-        loaded = sdk.models.load("gamma", path=str(checkpoints["alpha"]), max_model_len=256)
+        with pytest.raises(ps.ConflictError) as taken:  # alpha's adapter's name
+            sdk.models.load("gamma", path=path, enable_lora=True,
+                            lora_modules=[f"alpha-all={adapters['alpha-all']}"])
+        assert (taken.value.code, taken.value.param) == ("name_in_use", "lora_modules")
+        loaded = sdk.models.load("gamma", path=path, max_model_len=256, enable_lora=True,
+                                 lora_modules=[f"gamma-all={adapters['alpha-all']}"])
         assert loaded.success and loaded.model == "gamma" and len(loaded.pids) == 1
         cards = {m.id: m for m in sdk.models.list().data}
         assert cards["gamma"].max_model_len == 256
+        assert cards["gamma-all"].parent == "gamma"
+        assert _greedy(_client(url), "gamma-all") == references["alpha-all"]  # alpha's weights
         states = {s.id: s for s in sdk.models.states()}
         assert states["gamma"].status.value == "loaded"
         assert states["gamma"].pids == loaded.pids and states["gamma"].resident_bytes > 0
@@ -277,7 +346,7 @@ def test_the_sdk_loads_a_new_model_with_engine_options(url: str, checkpoints: di
         unloaded = sdk.models.unload("gamma")
         assert unloaded.pids == loaded.pids
         assert not any(_alive(pid) for pid in loaded.pids)
-        assert "gamma" not in {m.id for m in sdk.models.list().data}
+        assert not {"gamma", "gamma-all"} & {m.id for m in sdk.models.list().data}
         assert {s.id: s for s in sdk.models.states()}["gamma"].status.value == "unloaded"
         with pytest.raises(ps.NotFoundError):
             sdk.models.unload("gamma")

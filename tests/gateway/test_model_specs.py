@@ -1,15 +1,17 @@
 """Which models `pagedserve serve` is told to serve: repeated `--model [NAME=]PATH`, a TOML or
 YAML `--config`, and the errors that name the flag or option at fault; the registry's name
-lookup (default model, adapters served by their parent's engines)."""
+lookup (default model, adapters served by their parent's engines); LoRA adapters given to the
+model they name, their names unique across the gateway."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from gateway.cli import build_parser, check_args
-from gateway.model_registry import ModelRegistry, UnknownModelError
+from gateway.model_registry import ModelRegistry, NameTakenError, UnknownModelError
 from gateway.model_specs import spec_of, specs_from_file
 
 TOML = """
@@ -98,6 +100,13 @@ def test_flag_errors_name_the_flag(argv: list[str], message: str) -> None:
     ({"path": "/a", "nope": 1}, "unknown model option `nope`"),
     ({"path": "/a", "data_parallel_size": 0}, "data_parallel_size must be >= 1"),
     ({"path": 7}, "`path` must be str"),
+    ({"path": "/a", "lora_modules": ["x=/x"]}, "lora_modules needs enable_lora"),
+    ({"path": "/a", "enable_lora": True, "lora_modules": "x=/x"}, "must be a list"),
+    ({"path": "/a", "enable_lora": True, "lora_modules": ["x=/x", "x=/y"]},
+     "`lora_modules`: the adapter `x` of the model `m` has the name of an adapter"),
+    ({"path": "/a", "enable_lora": True, "lora_modules": [{"name": "x", "path": "/x",
+                                                           "base_model_name": "n"}]},
+     "names base_model_name `n`"),
 ])
 def test_bad_options_name_the_option(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -131,19 +140,60 @@ class _Engines:
 
 
 def test_registry_resolves_names_default_and_adapters() -> None:
+    lora = {"enable_lora": True, "lora_modules": ["b-lora=/adapters/b"]}
     specs = [spec_of("a", {"path": "/a"}, build_config()),
-             spec_of("b", {"path": "/b"}, build_config())]
+             spec_of("b", {"path": "/b", **lora}, build_config())]
     registry = ModelRegistry(specs, _Engines)  # type: ignore[arg-type]
     assert registry.resolve(None).name == "a" and registry.resolve("").name == "a"
     assert registry.resolve("b").name == "b"
     with pytest.raises(UnknownModelError):
         registry.resolve("c")
-    registry.add_alias("b-lora", "b")  # an adapter: its requests go to b's engines
+    # an adapter: its requests go to b's engines
     assert registry.resolve("b-lora").engines is registry.resolve("b").engines
-    with pytest.raises(ValueError):
-        registry.add_alias("a", "b")
-    with pytest.raises(UnknownModelError):
-        registry.add_alias("x-lora", "x")
-    registry.remove_alias("b-lora")
-    with pytest.raises(UnknownModelError):
-        registry.resolve("b-lora")
+    assert registry.holder("b-lora") == "an adapter of the model `b`"
+    adapter = {"path": "/c", "enable_lora": True}
+    for name, options, param, words in [
+            ("b-lora", {"path": "/c"}, "model",
+             "the model `b-lora` has the name of an adapter of the model `b`"),
+            ("c", {**adapter, "lora_modules": [{"name": "b-lora", "path": "/x"}]},
+             "lora_modules", "the adapter `b-lora` of the model `c` has the name of an adapter "
+             "of the model `b`"),
+            ("c", {**adapter, "lora_modules": ["a=/x"]}, "lora_modules",
+             "has the name of the model `a`")]:
+        with pytest.raises(NameTakenError) as taken:
+            asyncio.run(registry.load(spec_of(name, options, build_config())))
+        assert (taken.value.param, words in str(taken.value)) == (param, True), str(taken.value)
+
+
+def test_lora_modules_belong_to_the_model_they_name(tmp_path: Path) -> None:
+    entry = '{"name": "sql", "path": "/adapters/sql", "base_model_name": "b"}'
+    ns = _checked("--model", "/models/a", "--model", "/models/b", "--enable-lora",
+                  "--lora-modules", entry, "--max-loras", "2")
+    assert [(s.name, s.config.lora_modules, s.config.max_loras) for s in ns.model_specs] == \
+        [("a", (), 2), ("b", ("sql=/adapters/sql",), 2)]
+    one = _checked("--model", "/models/a", "--enable-lora", "--lora-modules", "x=/x",
+                   '{"name": "y", "path": "/y"}')
+    assert one.model_specs[0].config.lora_modules == ("x=/x", "y=/y") == tuple(one.lora_modules)
+    path = tmp_path / "m.toml"  # each model's own LoRA options, and the flag's adapter for b
+    path.write_text('[models.a]\npath = "/a"\nenable_lora = true\nmax_loras = 3\n'
+                    'lora_modules = ["x=/x", {name = "y", path = "/y"}]\n\n'
+                    '[models.b]\npath = "/b"\nenable_lora = true\n')
+    ns = _checked("--config", str(path), "--lora-modules", entry)
+    assert [(s.name, s.config.lora_modules, s.config.max_loras) for s in ns.model_specs] == \
+        [("a", ("x=/x", "y=/y"), 3), ("b", ("sql=/adapters/sql",), 1)]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lora-modules", "x=/x"], r"with several models, say which one.*base_model_name"),
+    (["--lora-modules", '{"name": "x", "path": "/x", "base_model_name": "c"}'],
+     "base_model_name `c` is not served"),
+    (["--lora-modules", '{"name": "b", "path": "/x", "base_model_name": "a"}'],
+     "the adapter `b` of the model `a` has the name of the model `b`"),
+    (["--lora-modules", '{"name": "x", "path": "/x", "base_model_name": "a"}',
+      '{"name": "x", "path": "/y", "base_model_name": "b"}'],
+     "the adapter `x` of the model `b` has the name of an adapter of the model `a`"),
+    (["--lora-modules", '{"name": "x"'], "is not JSON"),
+])
+def test_lora_module_errors_name_both(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _checked("--model", "/a", "--model", "/b", "--enable-lora", *argv)

@@ -1,7 +1,8 @@
 """The gateway in front of a ModelRegistry of two scripted engines: each route (chat,
 completions, Responses, Messages, WebSocket, tokenize) sends a request to the engine of the
 model it names, with that model's context; other names are 404; an adapter name routes to its
-parent; unloading a model aborts its running request (one terminal event) and 404s the rest."""
+parent's engine with its lora_name, and loads there by `base_model_name`; unloading a model
+aborts its running request (one terminal event), 404s the rest and forgets its adapters."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import websockets
 from gateway_fakes import FakeEngine, serve
@@ -94,15 +96,66 @@ async def test_websocket_generations_pick_their_model(engines: dict[str, FakeEng
     assert _sent(engines) == {"a": 0, "b": 1}
 
 
-async def test_an_adapter_name_runs_on_its_parent(engines: dict[str, FakeEngine],
-                                                  registry: ModelRegistry) -> None:
-    registry.add_alias("b-sql", "b")
-    app = build_app(registry, GatewaySettings())
+def _adapted(engines: dict[str, FakeEngine]) -> ModelRegistry:
+    """a with its adapter a-sql (named at start), b with LoRA on and no adapter yet."""
+    engines["a"].lora_names = {"a-sql"}
+    specs = [spec_of("a", {"path": "/models/a", "enable_lora": True,
+                           "lora_modules": ["a-sql=/adapters/sql"]}, EngineConfig()),
+             spec_of("b", {"path": "/models/b", "enable_lora": True}, EngineConfig())]
+    return ModelRegistry(specs, lambda spec: engines[spec.name])  # type: ignore[arg-type,return-value]
+
+
+async def test_adapters_run_on_their_parent_and_load_with_base_model_name(
+        engines: dict[str, FakeEngine]) -> None:
+    app = build_app(_adapted(engines), GatewaySettings(allow_runtime_lora_updating=True,
+                                                       model_management=True))
     async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
-        reply = await http.post("/v1/completions", json={"model": "b-sql", "prompt": "hi",
-                                                         "max_tokens": 2})
-        assert reply.status_code == 200 and reply.json()["model"] == "b-sql"
-    assert _sent(engines) == {"a": 0, "b": 1}
+        async def complete(model: str) -> httpx.Response:
+            return await http.post("/v1/completions", json={"model": model, "prompt": "hi",
+                                                            "max_tokens": 2})
+
+        async def cards() -> dict[str, dict]:
+            return {c["id"]: c for c in (await http.get("/v1/models")).json()["data"]}
+
+        reply = await complete("a-sql")
+        assert reply.status_code == 200 and reply.json()["model"] == "a-sql"
+        assert [(m.lora_name, len(engines["b"].submitted)) for m in engines["a"].submitted] \
+            == [("a-sql", 0)]  # a's engine, with the adapter; b's never saw it
+        assert (await complete("b-sql")).status_code == 404
+        assert {k: (c["parent"], c["root"]) for k, c in (await cards()).items()} == {
+            "a": (None, None), "a-sql": ("a", "/adapters/sql"), "b": (None, None)}
+        engines["a"].stats = msgspec.structs.replace(engines["a"].stats, lora_adapters=1)
+        metrics = (await http.get("/metrics")).text  # each model's own engines' count
+        for name, count in (("a", 1), ("b", 0)):
+            assert f'pagedserve_lora_adapters{{model_name="{name}"}} {count}.0' in metrics
+        load = {"lora_name": "b-sql", "lora_path": "/adapters/b-sql"}
+        asked = await http.post("/v1/load_lora_adapter", json=load)
+        assert asked.status_code == 400, asked.text  # both run LoRA: which one?
+        assert asked.json()["error"]["param"] == "base_model_name"
+        for parent, status, param in (("c", 404, "base_model_name"), ("a-sql", 404,
+                                      "base_model_name")):
+            r = await http.post("/v1/load_lora_adapter", json={**load, "base_model_name": parent})
+            assert (r.status_code, r.json()["error"]["param"]) == (status, param)
+        for name in ("a", "a-sql"):  # a model's name, or another model's adapter's
+            r = await http.post("/v1/load_lora_adapter",
+                                json={"lora_name": name, "lora_path": "/x", "base_model_name": "b"})
+            assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_name"), name
+        loaded = await http.post("/v1/load_lora_adapter", json={**load, "base_model_name": "b"})
+        assert loaded.status_code == 200, loaded.text
+        assert (engines["a"].lora_names, engines["b"].lora_names) == ({"a-sql"}, {"b-sql"})
+        assert (await cards())["b-sql"]["parent"] == "b"
+        assert (await complete("b-sql")).status_code == 200
+        assert engines["b"].submitted[-1].lora_name == "b-sql"
+        # unload finds the parent by name; unloading the model forgets its adapters
+        r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a-sql"})
+        assert r.status_code == 200 and engines["a"].lora_names == set()
+        assert (await http.post("/models/unload", json={"model": "b"})).status_code == 200
+        assert set(await cards()) == {"a"}
+        assert (await complete("b-sql")).status_code == 404
+        # the only model with LoRA now: base_model_name may be left out
+        again = await http.post("/v1/load_lora_adapter", json=load)
+        assert again.status_code == 200 and engines["a"].lora_names == {"b-sql"}
+        assert (await cards())["b-sql"]["parent"] == "a"
 
 
 async def test_unload_aborts_running_requests_then_404(engines: dict[str, FakeEngine],
