@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 import torch
+from gguf_in_memory import hf_from_gguf
 
 from engine import LLM, SamplingParams
 from ipc.model_source import resolve_model
@@ -42,11 +43,7 @@ def test_gemma3_270m_greedy_equals_hf_over_the_window():
     assert stats.kv_blocks_free == stats.kv_blocks_total
     del llm
 
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model("gemma3-270m").path
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                              dtype=torch.float32).eval()
+    hf = hf_from_gguf(resolve_model("gemma3-270m").path, dtype=torch.float32).eval()
     for p, got in zip(prompts, ours, strict=True):
         inp = torch.tensor([p])
         want = hf.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_in_memory import hf_from_gguf
 
 from engine import LLM, SamplingParams
 from kernels.cpu import quant as cpu_quant
@@ -36,13 +37,9 @@ def prompts(bundled_tokenizer_dir) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hf_reference(prompts):
     """(tokens, per-step log-probs) of HF greedy generate for each prompt, run one by one."""
-    from transformers import AutoModelForCausalLM
-
     from ipc.model_source import bundled_gguf
 
-    path = bundled_gguf()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32).eval()
+    model = hf_from_gguf(bundled_gguf(), dtype=torch.float32).eval()
     refs = []
     for ids in prompts:
         inp = torch.tensor([ids])

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,26 +21,12 @@ TEXTS = [
     "mixed: 한국어 العربية עברית ✓ ∑ 𝔘𝔫𝔦",
 ]
 
-_CONVERT = (
-    "import sys; from transformers import AutoTokenizer; from ipc.model_source import bundled_gguf;"
-    "p = bundled_gguf(); AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)"
-    ".save_pretrained(sys.argv[1])"
-)
-
-
-def tokenizer_dir(tmp_root: Path) -> Path:
-    """The bundled model's tokenizer as HF files ($PAGEDSERVE_TEST_TOKENIZER reuses one)."""
-    given = os.environ.get("PAGEDSERVE_TEST_TOKENIZER")
-    if given and (Path(given) / "tokenizer.json").is_file():
-        return Path(given)
-    out = tmp_root / "tokenizer"
-    subprocess.run([sys.executable, "-c", _CONVERT, str(out)], check=True, timeout=300)
-    return out
-
-
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory) -> tokenizers.Tokenizer:
-    path = tokenizer_dir(tmp_path_factory.mktemp("tok"))
+def tok(bundled_tokenizer_dir: Path) -> tokenizers.Tokenizer:
+    """The bundled model's tokenizer ($PAGEDSERVE_TEST_TOKENIZER reuses one)."""
+    given = os.environ.get("PAGEDSERVE_TEST_TOKENIZER")
+    path = Path(given) if given and (Path(given) / "tokenizer.json").is_file() else (
+        bundled_tokenizer_dir)
     return tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
