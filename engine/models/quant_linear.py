@@ -230,12 +230,12 @@ class QuantMLP(nn.Module):
         self._lora = cpu_lora.MlpDeltas(gate_up, down)
 
     def fits(self, x: torch.Tensor, lora: LoraBatch | None = None) -> bool:
-        """x's rows fit the one call; a step's LoRA rows fit it once the slots are attached
-        and the rows come in the C kernels' form."""
+        """x's rows fit the one call; with a step's LoRA rows, once the slots are attached
+        and where the C kernels add the deltas (LoraBatch.runs_in_c)."""
         return (x.dtype == torch.float32 and x.is_contiguous()
                 and 0 < x.numel() <= self._rows_limit * self.hidden
-                and (lora is None or (self._lora is not None and lora.row_slots is not None
-                                      and lora.row_slots.numel() * self.hidden == x.numel())))
+                and (lora is None or (self._lora is not None
+                                      and lora.runs_in_c(x.numel() // self.hidden))))
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         out = torch.empty_like(x)

@@ -71,8 +71,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "kq_packed_kmajor": ([_i32, _p, _i64, _i64, _i64, _i64, _p, _i64, _i32], _i32),
     "kq_mlp_packed": ([_i32, _p, _i32, _p, _i64, _i64, _p, _i64, _p, _i32, _i32, _p, _i32],
                       _i32),
-    "lora_delta_f32": ([_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _i64, _i32, _i32],
-                       _i32),
+    "lora_delta_f32": ([_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i64, _i64, _p, _i64, _i64, _i32,
+                        _i32], _i32),
     "fused_decode_stack": ([_p, _p, _i32, _p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p,
                             _i32], _i32),
 }

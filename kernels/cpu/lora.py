@@ -2,8 +2,9 @@
 adapter slot s (rows of slot -1 skipped), each adapter's A and B read once per call; and
 api.h's structs that hand the same slots to the one-call MLP and the decode stack.
 
-Slots: a float32 [num_slots, rank, in] and bt float32 [num_slots, rank, out] (B transposed,
-the adapter's scaling folded in), contiguous; row slots int32 [rows].
+Slots: a float32 [num_slots, rank, in], contiguous, and bt float32 [num_slots, rank, out] (B
+transposed, the adapter's scaling folded in) with contiguous rows (`new_bt` pads them); row
+slots int32 [rows].
 """
 
 from __future__ import annotations
@@ -17,16 +18,21 @@ from kernels.cpu import library
 from kernels.cpu.library import available, build_error
 from kernels.cpu.quant import ISAS
 
-__all__ = ["LoraWeights", "MlpDeltas", "SlotWeights", "add_delta", "available", "build_error",
-           "fits"]
+__all__ = ["ROWS_PER_ADAPTER", "LoraWeights", "MlpDeltas", "SlotWeights", "add_delta",
+           "available", "build_error", "fits", "new_bt"]
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
+# NOTE: up to this many rows per adapter in a call the C kernel beats torch's two products per
+# adapter; above, torch's (MKL) wins with one adapter: SmolLM2's shapes, rank 16, 2 threads,
+# one adapter: x1.0-1.3 of torch at 16-32 rows, x0.8-1.0 at 64, x0.6-0.9 at 128; four
+# adapters: x3.8-6.6 at 16 rows, x1.2-2.7 at 128 (bench notes in bench/RESULTS.md).
+ROWS_PER_ADAPTER = 32
 
 
 class LoraWeights(ctypes.Structure):
     """api.h's LoraWeights: one adapted product's slots (a NULL: not adapted)."""
 
-    _fields_ = [("a", _p), ("bt", _p), ("rank", _i64)]
+    _fields_ = [("a", _p), ("bt", _p), ("rank", _i64), ("ldb", _i64)]
 
 
 class _MlpLora(ctypes.Structure):
@@ -43,11 +49,22 @@ class SlotWeights:
 
     def struct(self) -> LoraWeights:
         """The C view (the caller keeps this object alive while C holds the addresses)."""
-        return LoraWeights(self.a.data_ptr(), self.bt.data_ptr(), self.a.shape[1])
+        return LoraWeights(self.a.data_ptr(), self.bt.data_ptr(), self.a.shape[1],
+                           self.bt.stride(1))
 
     def runs_in_c(self) -> bool:
-        return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                   for t in (self.a, self.bt)) and self.a.shape[:2] == self.bt.shape[:2]
+        a, bt = self.a, self.bt
+        return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (a, bt))
+                and a.is_contiguous() and a.shape[:2] == bt.shape[:2] and bt.stride(2) == 1
+                and bt.stride(1) >= bt.shape[2] and bt.stride(0) == bt.shape[1] * bt.stride(1))
+
+
+def new_bt(num_slots: int, rank: int, out: int, dtype: torch.dtype,
+           device: torch.device) -> torch.Tensor:
+    """Zeroed bt slots [num_slots, rank, out] whose rows are 16 floats longer than `out`.
+    NOTE: rows 4 KiB apart (out = 3072: gate_up of a 1536-wide MLP) share L1 sets; the C
+    kernel reads a chunk of every row per pass, and unpadded it ran at half the speed."""
+    return torch.zeros(num_slots, rank, out + 16, dtype=dtype, device=device)[..., :out]
 
 
 def fits(out: torch.Tensor, x: torch.Tensor, w: SlotWeights) -> bool:
@@ -68,7 +85,8 @@ def add_delta(out: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor, w: Sl
         raise ValueError("row_slots must be a contiguous int32 tensor, one per row")
     rc = library.load().lora_delta_f32(
         x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], row_slots.data_ptr(),
-        w.a.shape[0], w.a.data_ptr(), w.bt.data_ptr(), w.a.shape[1], out.data_ptr(),
+        w.a.shape[0], w.a.data_ptr(), w.bt.data_ptr(), w.a.shape[1], w.bt.stride(1),
+        out.data_ptr(),
         out.stride(0), out.shape[1], ISAS[isa], num_threads or torch.get_num_threads())
     if rc == -2:
         raise IndexError(f"a LoRA slot out of range (there are {w.a.shape[0]})")

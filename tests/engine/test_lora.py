@@ -18,11 +18,13 @@ from tiny_quant_gguf import write_tiny_gguf
 from engine import LLM, SamplingParams
 from kernels.cpu import quant as cpu_quant
 
-# NOTE: float32 against float32 (PEFT's unfused q/k/v against our fused ones, scaling folded
-# into B): up to 1e-5 seen here on the dense base. On the Q4_1 base up to 3.6e-4, and the same
-# 3.6e-4 from the file dequantized at load (--quantization none): float32 rounding grown by
-# these large random deltas over 8 greedy steps, not the quantized path.
-TOL = 1e-4
+# NOTE: our float32 logprobs against PEFT's in float64 (greedy tokens against PEFT's own
+# float32 run). These large random deltas reach 1e5 in the last layers, so float32 rounding
+# shows: on the dense base PEFT's own float32 run is 3.6e-4 from its float64 one on one token
+# (the 7-token prompt's first), ours 1.9e-4 there (C deltas) and under 3e-5 elsewhere. On the
+# Q4_1 base up to 3.6e-4 against PEFT float32, the same from the file dequantized at load
+# (--quantization none): rounding, not the quantized path.
+TOL = 5e-4
 QUANT_TOL = 1e-3
 NEW = 8
 
@@ -52,13 +54,13 @@ def llm(tiny_model_dir, adapters):
                max_loras=4, lora_modules=_modules(adapters))
 
 
-def _reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """HF greedy tokens and each one's log_softmax (teacher-forced, float64 softmax)."""
+def _reference(model, model64, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """HF greedy tokens (float32) and each one's log_softmax (teacher-forced in float64)."""
     inp = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
                              max_new_tokens=NEW, pad_token_id=2)[0, len(prompt):].tolist()
-        logits = model(torch.tensor([prompt + out])).logits[0].double()
+        logits = model64(torch.tensor([prompt + out])).logits[0]
     lp = torch.log_softmax(logits, -1)
     return out, [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(out)]
 
@@ -74,10 +76,10 @@ def _ours(llm, prompts, loras) -> list[tuple[list[int], list[float]]]:
 def _check_against_peft(llm, base_dir, adapters, tol: float = TOL) -> None:
     base_out = _ours(llm, PROMPTS, None)
     for name, path in adapters.items():
-        ref_model = peft_model(base_dir, path)
+        ref_model, ref64 = peft_model(base_dir, path), peft_model(base_dir, path).double()
         ours = _ours(llm, PROMPTS, name)
         for prompt, (tokens, logprobs) in zip(PROMPTS, ours, strict=True):
-            ref_tokens, ref_logprobs = _reference(ref_model, prompt)
+            ref_tokens, ref_logprobs = _reference(ref_model, ref64, prompt)
             assert tokens == ref_tokens, name
             assert logprobs == pytest.approx(ref_logprobs, abs=tol), name
         # NOTE: the adapter matters: without it (the base) the outputs differ
@@ -108,9 +110,10 @@ def test_quantized_base_matches_peft_on_dequantized_weights(tiny_model_dir, adap
 def _same(got, want) -> None:
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
         assert tokens == ref_tokens
-        # NOTE: another batch changes only the summation order of the products (up to 1.2e-5
-        # seen here)
-        assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+        # NOTE: another batch changes the summation order of the products, and which kernel
+        # adds the deltas (C for up to ROWS_PER_ADAPTER rows per adapter, torch's above):
+        # 5.8e-4 seen here on the token where float32 PEFT is 3.6e-4 off (TOL's note)
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-3)
 
 
 @pytest.mark.parametrize("max_loras", [4, 2])

@@ -22,10 +22,17 @@ class LoraBatch:
     # only (off the CPU, or a test's reference).
     row_slots: torch.Tensor | None = None
 
+    def runs_in_c(self, rows: int) -> bool:
+        """The C kernels add this step's deltas over `rows` token rows: the row slots are in
+        their form, and the adapters have few enough rows each (ROWS_PER_ADAPTER: above,
+        torch's products are faster; so decode steps, not prefill chunks)."""
+        return (self.row_slots is not None and self.row_slots.numel() == rows
+                and rows <= cpu_lora.ROWS_PER_ADAPTER * len(self.groups))
+
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, w: SlotWeights) -> torch.Tensor:
-        """out += each row's B(A x): C on the CPU in float32 (kernels/cpu/lora.py), else the
-        torch reference."""
-        if self.row_slots is not None and cpu_lora.fits(out, x, w):
+        """out += each row's B(A x): C on the CPU in float32 where runs_in_c (kernels/cpu/
+        lora.py), else the torch reference."""
+        if self.runs_in_c(x.shape[0]) and cpu_lora.fits(out, x, w):
             return cpu_lora.add_delta(out, x, self.row_slots, w)
         return self.add_delta_torch(out, x, w)
 

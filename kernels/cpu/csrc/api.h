@@ -36,11 +36,12 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t stride, in
                      int num_threads);
 
 /* ---- lora.c: per-row LoRA deltas ---------------------------------------------------------- */
-/* One adapted projection's slots: a [num_slots, rank, K] and bt [num_slots, rank, N] (B
- * transposed, the adapter's scaling folded in), float32, contiguous; a NULL: not adapted. */
+/* One adapted projection's slots: a [num_slots, rank, K] contiguous and bt [num_slots, rank,
+ * N] with rows ldb >= N floats apart (B transposed, the adapter's scaling folded in), float32;
+ * a NULL: not adapted. */
 typedef struct {
     const float *a, *bt;
-    int64_t rank;
+    int64_t rank, ldb;
 } LoraWeights;
 
 /* An MLP's LoRA for one call: each row's adapter slot (-1: none; slots NULL: no row has one)
@@ -52,8 +53,8 @@ typedef struct {
 } MlpLora;
 
 int lora_delta_f32(const float *x, int64_t xs, int64_t M, int64_t K, const int32_t *slots,
-                   int64_t num_slots, const float *a, const float *bt, int64_t rank, float *out,
-                   int64_t os, int64_t N, int isa, int num_threads);
+                   int64_t num_slots, const float *a, const float *bt, int64_t rank,
+                   int64_t ldb, float *out, int64_t os, int64_t N, int isa, int num_threads);
 
 /* ---- quant.c, quant_packed.c, mlp.c: products with GGUF-quantized weights ----------------- */
 int quant_block_elems(int type);

@@ -43,8 +43,8 @@ static int add_lora(const Shape *s, const LoraWeights *w, const int32_t *adapter
 {
     if (!adapters || !w->a)
         return 0;
-    return lora_delta_f32(x, K, M, K, adapters, s->lora_slots, w->a, w->bt, w->rank, out, N, N,
-                          ISA_AUTO, num_threads);
+    return lora_delta_f32(x, K, M, K, adapters, s->lora_slots, w->a, w->bt, w->rank, w->ldb,
+                          out, N, N, ISA_AUTO, num_threads);
 }
 
 static int64_t write_kv(const Shape *s, const Layer *L, const float *key, int64_t key_stride,

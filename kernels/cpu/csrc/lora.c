@@ -23,6 +23,8 @@
 
 #define CHUNK 64 /* output features per item of the second phase */
 #define DOTS 4   /* rows per pass over a row of A */
+#define ASTEP 8  /* rows of A per item of the first phase */
+#define QUAD 4   /* rows per pass over a chunk of Bt */
 
 int lora_group(const int32_t *slots, int64_t M, int64_t num_slots, int64_t rank, LoraGroups *g)
 {
@@ -44,7 +46,10 @@ int lora_group(const int32_t *slots, int64_t M, int64_t num_slots, int64_t rank,
     g->start = malloc(sizeof(int64_t) * (size_t)(g->num_groups + 1));
     g->slot = malloc(sizeof(int64_t) * (size_t)(g->num_groups + 1));
     g->low = malloc(sizeof(float) * (size_t)(g->count * rank + 1));
-    if (!g->rows || !g->start || !g->slot || !g->low) {
+    const int64_t most_blocks = g->count / LORA_BLOCK + g->num_groups + 1;
+    g->block = malloc(sizeof(int64_t) * (size_t)most_blocks);
+    g->block_group = malloc(sizeof(int64_t) * (size_t)most_blocks);
+    if (!g->rows || !g->start || !g->slot || !g->low || !g->block || !g->block_group) {
         free(offset);
         lora_groups_free(g);
         return -1;
@@ -61,6 +66,11 @@ int lora_group(const int32_t *slots, int64_t M, int64_t num_slots, int64_t rank,
         pos += n;
     }
     g->start[k] = pos;
+    for (int64_t grp = 0; grp < k; grp++)
+        for (int64_t i = g->start[grp]; i < g->start[grp + 1]; i += LORA_BLOCK) {
+            g->block[g->num_blocks] = i;
+            g->block_group[g->num_blocks++] = grp;
+        }
     for (int64_t r = 0; r < M; r++)
         if (slots[r] >= 0)
             g->rows[offset[slots[r]]++] = r;
@@ -70,7 +80,8 @@ int lora_group(const int32_t *slots, int64_t M, int64_t num_slots, int64_t rank,
 
 void lora_groups_free(LoraGroups *g)
 {
-    free(g->rows), free(g->start), free(g->slot), free(g->low);
+    free(g->rows), free(g->start), free(g->slot), free(g->low), free(g->block);
+    free(g->block_group);
     *g = (LoraGroups){0};
 }
 
@@ -103,16 +114,18 @@ static void low_scalar(const float *a, int64_t K, const float *x, int64_t xs,
     }
 }
 
-/* ---- phase 2: out[n0:n1] += sum_j t[j] bt[j, n0:n1] (bt rows N floats apart) --------------- */
-static void add_scalar(const float *bt, int64_t N, const float *t, int64_t R, float *out,
-                       int64_t n0, int64_t n1)
+/* ---- phase 2: o[d][n0:n1] += sum_j t[d][j] bt[j, n0:n1] for m <= QUAD rows d (bt rows N
+ * floats apart). NOTE: QUAD rows share each load of bt (one row at a time: half the speed) */
+static void add_scalar(const float *bt, int64_t N, const float *const t[], int64_t R,
+                       float *const o[], int m, int64_t n0, int64_t n1)
 {
-    for (int64_t n = n0; n < n1; n++) {
-        float s = 0.0f;
-        for (int64_t j = 0; j < R; j++)
-            s += t[j] * bt[j * N + n];
-        out[n] += s;
-    }
+    for (int d = 0; d < m; d++)
+        for (int64_t n = n0; n < n1; n++) {
+            float s = 0.0f;
+            for (int64_t j = 0; j < R; j++)
+                s += t[d][j] * bt[j * N + n];
+            o[d][n] += s;
+        }
 }
 
 #if KERNELS_X86
@@ -151,24 +164,36 @@ TARGET_AVX2 static void low_avx2(const float *a, int64_t K, const float *x, int6
     }
 }
 
-TARGET_AVX2 static void add_avx2(const float *bt, int64_t N, const float *t, int64_t R,
-                                 float *out, int64_t n0, int64_t n1)
+/* two rows at a time, 32 features per pass: 8 accumulators of the 16 registers */
+TARGET_AVX2 static void add_avx2(const float *bt, int64_t N, const float *const t[], int64_t R,
+                                 float *const o[], int m, int64_t n0, int64_t n1)
 {
-    __m256i mk[CHUNK / 8];
-    __m256 acc[CHUNK / 8];
-    for (int c = 0; c < CHUNK / 8; c++) {
-        mk[c] = lanes_below(n1 - n0 - 8 * c);
-        acc[c] = _mm256_setzero_ps();
+    for (int d0 = 0; d0 < m; d0 += 2) {
+        const int pair = m - d0 >= 2;
+        for (int64_t c0 = n0; c0 < n1; c0 += 32) {
+            __m256i mk[4];
+            __m256 acc[2][4];
+            for (int c = 0; c < 4; c++) {
+                mk[c] = lanes_below(n1 - c0 - 8 * c);
+                acc[0][c] = acc[1][c] = _mm256_setzero_ps();
+            }
+            for (int64_t j = 0; j < R; j++) {
+                const __m256 t0 = _mm256_set1_ps(t[d0][j]);
+                const __m256 t1 = _mm256_set1_ps(t[d0 + pair][j]);
+                for (int c = 0; c < 4; c++) {
+                    const __m256 b = _mm256_maskload_ps(bt + j * N + c0 + 8 * c, mk[c]);
+                    acc[0][c] = _mm256_fmadd_ps(t0, b, acc[0][c]);
+                    acc[1][c] = _mm256_fmadd_ps(t1, b, acc[1][c]);
+                }
+            }
+            for (int d = 0; d <= pair; d++)
+                for (int c = 0; c < 4; c++) {
+                    float *dst = o[d0 + d] + c0 + 8 * c;
+                    _mm256_maskstore_ps(dst, mk[c], _mm256_add_ps(_mm256_maskload_ps(dst, mk[c]),
+                                                                  acc[d][c]));
+                }
+        }
     }
-    for (int64_t j = 0; j < R; j++) {
-        const __m256 tj = _mm256_set1_ps(t[j]);
-        const float *b = bt + j * N + n0;
-        for (int c = 0; c < CHUNK / 8; c++)
-            acc[c] = _mm256_fmadd_ps(tj, _mm256_maskload_ps(b + 8 * c, mk[c]), acc[c]);
-    }
-    for (int c = 0; c < CHUNK / 8; c++)
-        _mm256_maskstore_ps(out + n0 + 8 * c, mk[c],
-                            _mm256_add_ps(_mm256_maskload_ps(out + n0 + 8 * c, mk[c]), acc[c]));
 }
 
 INLINE_AVX512 __mmask16 mask_below(int64_t left)
@@ -198,24 +223,34 @@ TARGET_AVX512 static void low_avx512(const float *a, int64_t K, const float *x, 
     }
 }
 
-TARGET_AVX512 static void add_avx512(const float *bt, int64_t N, const float *t, int64_t R,
-                                     float *out, int64_t n0, int64_t n1)
+/* QUAD rows and CHUNK features: 16 accumulators */
+TARGET_AVX512 static void add_avx512(const float *bt, int64_t N, const float *const t[],
+                                     int64_t R, float *const o[], int m, int64_t n0,
+                                     int64_t n1)
 {
     __mmask16 mk[CHUNK / 16];
-    __m512 acc[CHUNK / 16];
+    __m512 acc[QUAD][CHUNK / 16];
     for (int c = 0; c < CHUNK / 16; c++) {
         mk[c] = mask_below(n1 - n0 - 16 * c);
-        acc[c] = _mm512_setzero_ps();
+        for (int d = 0; d < QUAD; d++)
+            acc[d][c] = _mm512_setzero_ps();
     }
     for (int64_t j = 0; j < R; j++) {
-        const __m512 tj = _mm512_set1_ps(t[j]);
-        const float *b = bt + j * N + n0;
+        __m512 b[CHUNK / 16];
         for (int c = 0; c < CHUNK / 16; c++)
-            acc[c] = _mm512_fmadd_ps(tj, _mm512_maskz_loadu_ps(mk[c], b + 16 * c), acc[c]);
+            b[c] = _mm512_maskz_loadu_ps(mk[c], bt + j * N + n0 + 16 * c);
+        for (int d = 0; d < QUAD; d++) { /* NOTE: rows past m redo row 0, never stored */
+            const __m512 tj = _mm512_set1_ps(t[d < m ? d : 0][j]);
+            for (int c = 0; c < CHUNK / 16; c++)
+                acc[d][c] = _mm512_fmadd_ps(tj, b[c], acc[d][c]);
+        }
     }
-    for (int c = 0; c < CHUNK / 16; c++)
-        _mm512_mask_storeu_ps(out + n0 + 16 * c, mk[c], _mm512_add_ps(
-            _mm512_maskz_loadu_ps(mk[c], out + n0 + 16 * c), acc[c]));
+    for (int d = 0; d < m; d++)
+        for (int c = 0; c < CHUNK / 16; c++) {
+            float *dst = o[d] + n0 + 16 * c;
+            _mm512_mask_storeu_ps(dst, mk[c], _mm512_add_ps(_mm512_maskz_loadu_ps(mk[c], dst),
+                                                            acc[d][c]));
+        }
 }
 #endif
 
@@ -235,60 +270,72 @@ static void low_rows(int isa, const float *a, int64_t K, const float *x, int64_t
     low_scalar(a, K, x, xs, rows, n, low, ldl);
 }
 
-static void add_row(int isa, const float *bt, int64_t N, const float *t, int64_t R, float *out,
-                    int64_t n0, int64_t n1)
+static void add_rows(int isa, const float *bt, int64_t N, const float *const t[], int64_t R,
+                     float *const o[], int m, int64_t n0, int64_t n1)
 {
 #if KERNELS_X86
     if (isa == ISA_AVX512) {
-        add_avx512(bt, N, t, R, out, n0, n1);
+        add_avx512(bt, N, t, R, o, m, n0, n1);
         return;
     }
     if (isa == ISA_AVX2) {
-        add_avx2(bt, N, t, R, out, n0, n1);
+        add_avx2(bt, N, t, R, o, m, n0, n1);
         return;
     }
 #endif
-    add_scalar(bt, N, t, R, out, n0, n1);
+    add_scalar(bt, N, t, R, o, m, n0, n1);
 }
 
 void lora_delta_team(const LoraGroups *g, const LoraWeights *w, const float *x, int64_t xs,
                      int64_t K, float *out, int64_t os, int64_t N, int isa)
 {
     const int64_t R = w->rank, G = g->num_groups, chunks = (N + CHUNK - 1) / CHUNK;
+    const int64_t steps = (R + ASTEP - 1) / ASTEP;
 #pragma omp for schedule(static)
-    for (int64_t item = 0; item < G * R; item++) {
-        const int64_t grp = item / R, j = item % R, first = g->start[grp];
-        low_rows(isa, w->a + (g->slot[grp] * R + j) * K, K, x, xs, g->rows + first,
-                 g->start[grp + 1] - first, g->low + first * R + j, R);
+    for (int64_t item = 0; item < g->num_blocks * steps; item++) {
+        const int64_t b = item / steps, j0 = item % steps * ASTEP, j1 = j0 + ASTEP < R ? j0 + ASTEP : R;
+        const int64_t grp = g->block_group[b], first = g->block[b];
+        const int64_t end = g->start[grp + 1], n = end - first < LORA_BLOCK ? end - first : LORA_BLOCK;
+        for (int64_t j = j0; j < j1; j++)
+            low_rows(isa, w->a + (g->slot[grp] * R + j) * K, K, x, xs, g->rows + first, n,
+                     g->low + first * R + j, R);
     }
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < G * chunks; item++) {
         const int64_t grp = item / chunks, n0 = item % chunks * CHUNK;
         const int64_t n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
-        const float *bt = w->bt + g->slot[grp] * R * N;
-        for (int64_t i = g->start[grp]; i < g->start[grp + 1]; i++)
-            add_row(isa, bt, N, g->low + i * R, R, out + g->rows[i] * os, n0, n1);
+        const float *bt = w->bt + g->slot[grp] * R * w->ldb;
+        for (int64_t i = g->start[grp], end = g->start[grp + 1]; i < end; i += QUAD) {
+            const int m = end - i < QUAD ? (int)(end - i) : QUAD;
+            const float *t[QUAD];
+            float *o[QUAD];
+            for (int d = 0; d < m; d++) {
+                t[d] = g->low + (i + d) * R;
+                o[d] = out + g->rows[i + d] * os;
+            }
+            add_rows(isa, bt, w->ldb, t, R, o, m, n0, n1);
+        }
     }
 }
 
 /* out [M, N] (rows os floats apart) += the delta of x [M, K] (rows xs apart) for each row
- * whose slots[row] is 0..num_slots-1 (negative: no adapter); a [num_slots, rank, K], bt
- * [num_slots, rank, N] contiguous. isa: ISA_AUTO (the best this CPU has) or one it has.
+ * whose slots[row] is 0..num_slots-1 (negative: no adapter); a [num_slots, rank, K]
+ * contiguous, bt [num_slots, rank, N] with rows ldb >= N floats apart. isa: ISA_AUTO (the best this CPU has) or one it has.
  * Returns 0, -1 for bad arguments or a failed allocation, -2 for a slot out of range. */
 int lora_delta_f32(const float *x, int64_t xs, int64_t M, int64_t K, const int32_t *slots,
-                   int64_t num_slots, const float *a, const float *bt, int64_t rank, float *out,
-                   int64_t os, int64_t N, int isa, int num_threads)
+                   int64_t num_slots, const float *a, const float *bt, int64_t rank,
+                   int64_t ldb, float *out, int64_t os, int64_t N, int isa, int num_threads)
 {
     if (isa == ISA_AUTO)
         isa = best_isa();
     if (M < 0 || K < 1 || N < 1 || rank < 1 || num_slots < 1 || num_threads < 1 || !slots
-        || !a || !bt || !isa_supported(isa))
+        || ldb < N || !a || !bt || !isa_supported(isa))
         return -1;
     LoraGroups g;
     const int rc = lora_group(slots, M, num_slots, rank, &g);
     if (rc)
         return rc;
-    const LoraWeights w = {a, bt, rank};
+    const LoraWeights w = {a, bt, rank, ldb};
     /* NOTE: a region for small products costs more than it saves */
 #pragma omp parallel num_threads(num_threads) if (g.count * rank * (K + N) >= 32768)
     lora_delta_team(&g, &w, x, xs, K, out, os, N, isa);

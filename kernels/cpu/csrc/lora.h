@@ -19,7 +19,12 @@ typedef struct {
     int64_t *slot;      /* [num_groups] */
     float *low;         /* [count, rank]: A x of each grouped row (scratch) */
     int64_t rank;       /* the widest rank the scratch holds */
+    int64_t num_blocks; /* blocks of up to LORA_BLOCK rows within one group */
+    int64_t *block;     /* [num_blocks]: each block's first index into rows */
+    int64_t *block_group; /* [num_blocks]: its group */
 } LoraGroups;
+
+#define LORA_BLOCK 16 /* rows per item of the first phase (their x stays in L1 across A rows) */
 
 /* Group M rows by slots[row] < num_slots for products of rank up to `rank`; 0, -1 when an
  * allocation failed, -2 when a slot is num_slots or more. Free with lora_groups_free. */
