@@ -3,8 +3,7 @@ adapter slot s (rows of slot -1 skipped), each adapter's A and B read once per c
 api.h's structs that hand the same slots to the one-call MLP and the decode stack.
 
 Slots: a float32 [num_slots, rank, in], contiguous, and bt float32 [num_slots, rank, out] (B
-transposed, the adapter's scaling folded in) with contiguous rows (`new_bt` pads them); row
-slots int32 [rows].
+transposed, the adapter's scaling folded in) with contiguous rows; row slots int32 [rows].
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from kernels.cpu.library import available, build_error
 from kernels.cpu.quant import ISAS
 
 __all__ = ["ROWS_PER_ADAPTER", "LoraWeights", "MlpDeltas", "SlotWeights", "add_delta",
-           "available", "build_error", "fits", "new_bt"]
+           "available", "build_error", "fits"]
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 # NOTE: up to this many rows per adapter in a call the C kernel beats torch's two products per
@@ -57,14 +56,6 @@ class SlotWeights:
         return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (a, bt))
                 and a.is_contiguous() and a.shape[:2] == bt.shape[:2] and bt.stride(2) == 1
                 and bt.stride(1) >= bt.shape[2] and bt.stride(0) == bt.shape[1] * bt.stride(1))
-
-
-def new_bt(num_slots: int, rank: int, out: int, dtype: torch.dtype,
-           device: torch.device) -> torch.Tensor:
-    """Zeroed bt slots [num_slots, rank, out] whose rows are 16 floats longer than `out`.
-    NOTE: rows 4 KiB apart (out = 3072: gate_up of a 1536-wide MLP) share L1 sets; the C
-    kernel reads a chunk of every row per pass, and unpadded it ran at half the speed."""
-    return torch.zeros(num_slots, rank, out + 16, dtype=dtype, device=device)[..., :out]
 
 
 def fits(out: torch.Tensor, x: torch.Tensor, w: SlotWeights) -> bool:

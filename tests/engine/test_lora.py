@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import c_build
 import pytest
 import torch
+from decode_steps import copy_caches, decode_batch, forward, random_state
 from lora_adapters import ADAPTERS, build_adapter, dequantized_copy, peft_model
 from tiny_quant_gguf import write_tiny_gguf
 
@@ -90,21 +92,71 @@ def test_dense_base_matches_peft(llm, tiny_model_dir, adapters):
     _check_against_peft(llm, tiny_model_dir, adapters)
 
 
-def test_quantized_base_matches_peft_on_dequantized_weights(tiny_model_dir, adapters,
-                                                            tmp_path, bundled_tokenizer_dir):
+@pytest.fixture(scope="module")
+def q4_1_gguf(tiny_model_dir, tmp_path_factory):
     c_build.require(None if cpu_quant.available() else cpu_quant.build_error())
-    gguf_file = write_tiny_gguf(tiny_model_dir, tmp_path / "q4_1.gguf", "Q4_1")
+    return write_tiny_gguf(tiny_model_dir, tmp_path_factory.mktemp("q4_1") / "q4_1.gguf",
+                           "Q4_1")
+
+
+def _quant_llm(q4_1_gguf, tokenizer_dir, adapters, numerics: str = "a32"):
+    return LLM(str(q4_1_gguf), tokenizer=str(tokenizer_dir), max_model_len=256,
+               num_gpu_blocks=64, quantization="gguf", quantization_numerics=numerics,
+               enable_lora=True, max_loras=4, lora_modules=_modules(adapters))
+
+
+def test_quantized_base_matches_peft_on_dequantized_weights(tiny_model_dir, adapters, q4_1_gguf,
+                                                            tmp_path, bundled_tokenizer_dir):
     reference = dequantized_copy(tiny_model_dir, tmp_path / "dequantized", "Q4_1")
-    llm = LLM(str(gguf_file), tokenizer=str(bundled_tokenizer_dir), max_model_len=256,
-              num_gpu_blocks=64, quantization="gguf", enable_lora=True, max_loras=4,
-              lora_modules=_modules(adapters))
+    llm = _quant_llm(q4_1_gguf, bundled_tokenizer_dir, adapters)
+    stack = llm.engine.runner.model.decode_stack
     _check_against_peft(llm, reference, adapters, QUANT_TOL)
-    # base rows and adapter rows in one step: the fused quantized paths serve the base-only
-    # steps, the per-layer path (with the deltas) the mixed ones; both equal running alone
+    # NOTE: the decode steps with adapter rows ran in the one-call stack, deltas in C
+    assert stack is not None and stack.calls >= (NEW - 1) * (1 + len(adapters))
+    # base rows and adapter rows in one step, in the stack too; both equal running alone
+    calls = stack.calls
     mixed = _ours(llm, PROMPTS * 2, [None, "all", None, "qv", "mlp", None])
+    assert stack.calls == calls + NEW - 1
     alone = [_ours(llm, [p], lora)[0] for p, lora in
              zip(PROMPTS * 2, [None, "all", None, "qv", "mlp", None], strict=True)]
     _same(mixed, alone)
+
+
+@pytest.mark.parametrize("numerics", ["a32", "a8"])
+def test_decode_stack_adds_the_deltas_of_interleaved_adapters(q4_1_gguf, bundled_tokenizer_dir,
+                                                              adapters, numerics):
+    """One decode step of three adapters and the base interleaved, in the one-call stack
+    (C deltas after qkv and o, gate_up's inside the MLP before the activation, down's after)
+    against the per-layer path with the torch deltas (row slots withheld: no C kernel, no
+    stack, no fused MLP takes the step): the same hidden states and KV writes up to float32
+    rounding, and far from the base's."""
+    c_build.require_isa("avx512", cpu_quant.isa_supported("avx512"))
+    llm = _quant_llm(q4_1_gguf, bundled_tokenizer_dir, adapters, numerics)
+    runner, slots = llm.engine.runner, llm.engine.lora
+    model, stack = runner.model, runner.model.decode_stack
+    assert stack is not None and stack.kernel.has_lora
+    ids = [slots.id_of(name) for name in ("all", "qv", "mlp")]
+    loras = [ids[0], None, ids[1], ids[0], ids[2], None, ids[1], ids[2]]
+    gen = torch.Generator().manual_seed(3)
+    state = random_state(runner, gen)
+    tokens, positions, meta = decode_batch([9, 40, 1, 17, 100, 33, 5, 64], [1] * len(loras),
+                                           runner.block_size, gen)
+    batch = slots.batch((lora, 1) for lora in loras)
+    steps = (stack.calls, stack.calls + 1)
+    fused_kv, ref_kv, base_kv = (copy_caches(state) for _ in range(3))
+    fused = forward(model, fused_kv, meta, tokens, positions, lora=batch)
+    assert stack.calls == steps[1]
+    ref = forward(model, ref_kv, meta, tokens, positions, lora=replace(batch, row_slots=None))
+    assert stack.calls == steps[1]  # NOTE: the torch deltas' step left the stack
+    base = forward(model, base_kv, meta, tokens, positions)
+    scale = ref.abs().max()
+    assert (fused - ref).abs().max() <= 1e-4 * scale
+    for (fk, fv), (rk, rv) in zip(fused_kv, ref_kv, strict=True):
+        assert (fk - rk).abs().max() <= 1e-4 * rk.abs().max()
+        assert (fv - rv).abs().max() <= 1e-4 * rv.abs().max()
+    adapted = torch.tensor([lora is not None for lora in loras])
+    assert torch.equal(fused[~adapted], base[~adapted])
+    assert ((fused - base)[adapted].abs().amax(-1) > 1e-2 * scale).all()
 
 
 def _same(got, want) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from engine.run.lora.adapter import TARGETS, LoraWeights, read_adapter
 from engine.run.lora.batch import LoraBatch
 from engine.run.lora.layers import LoraLinear
-from kernels.cpu.lora import SlotWeights, new_bt
+from kernels.cpu.lora import SlotWeights
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class _Target:
     parts: list[int]  # output rows of each part (q, k, v or gate, up, or one)
     a: torch.Tensor  # [max_loras, len(parts) * max_rank, in]
     # [max_loras, len(parts) * max_rank, out]: B transposed, so that the C kernels' second
-    # product runs along contiguous output features (rows padded: kernels/cpu/lora.py new_bt)
+    # product runs along contiguous output features
     bt: torch.Tensor
 
 
@@ -63,7 +63,7 @@ class LoraSlots:
         for name, (parent, fan_in, parts) in shapes.items():
             kw = {"dtype": self.dtype, "device": self.device}
             t = _Target(parts, torch.zeros(n, len(parts) * r, fan_in, **kw),
-                        new_bt(n, len(parts) * r, sum(parts), self.dtype, self.device))
+                        torch.zeros(n, len(parts) * r, sum(parts), **kw))
             self.targets[(i, name)] = t
             setattr(parent, name, LoraLinear(getattr(parent, name), self.weights(i, name)))
 
