@@ -157,6 +157,16 @@ def test_decode_stack_adds_the_deltas_of_interleaved_adapters(q4_1_gguf, bundled
     adapted = torch.tensor([lora is not None for lora in loras])
     assert torch.equal(fused[~adapted], base[~adapted])
     assert ((fused - base)[adapted].abs().amax(-1) > 1e-2 * scale).all()
+    # a prefill chunk beside decodes: the per-layer path, its C deltas (the linears' and
+    # the one-call MLP's) against the torch ones
+    calls = stack.calls
+    chunk = decode_batch([20, 30, 9], [1, 1, 6], runner.block_size, gen)  # decodes first
+    batch = slots.batch(zip([ids[0], None, ids[2]], [1, 1, 6], strict=True))
+    with_c = forward(model, copy_caches(state), chunk[2], *chunk[:2], lora=batch)
+    ref = forward(model, copy_caches(state), chunk[2], *chunk[:2],
+                  lora=replace(batch, row_slots=None))
+    assert stack.calls == calls
+    assert (with_c - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
 def _same(got, want) -> None:
