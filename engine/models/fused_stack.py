@@ -5,7 +5,8 @@ Llama-layout models whose projections are all packed quantized layers.
 one by one); `fits` decides per step (every row one token, KV pools of a dtype the driver
 takes: kernels/cpu/fused.py's KV_DTYPES, the `cpu` attention backend), and the
 per-layer path runs whatever it does not take: prefill and mixed steps, speculative
-verification, the FP8 cache, the torch backend.
+verification, the FP8 cache, the torch backend. Rows with a LoRA adapter get their deltas
+in the same call once engine/run/lora's slots are attached (`attach_lora`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from engine.models.quant_linear import PREFILL_ROWS, QuantLinear, QuantMLP
 from engine.run.forward_context import get_forward_context
 from kernels.cpu import fused as cpu_fused
 from kernels.cpu import quant as cpu_quant
+from kernels.cpu.lora import SlotWeights
 
 
 class DecodeStack:
@@ -52,16 +54,24 @@ class DecodeStack:
             scale=attns[0].scale, numerics=numerics.pop(), act=mlps[0].act)
         return cls(kernel)
 
+    def attach_lora(self, layers: list[tuple[SlotWeights, ...]]) -> None:
+        """The adapters' slots of every layer's qkv, o, gate_up and down (engine/run/lora):
+        from then on the stack takes steps with adapter rows too."""
+        self.kernel.set_lora(layers)
+
     def fits(self, x: torch.Tensor, positions: torch.Tensor, num_layers: int | None) -> bool:
         """This step's batch: plain decodes only (one token per sequence, at most
         PREFILL_ROWS rows: a32's packed products stop there; a8's go further, but the stack
         is tested and measured up to 64), tensors and pools the kernels index, the `cpu`
-        backend."""
+        backend; adapter rows only with the slots attached and the rows' slots in C form."""
         ctx = get_forward_context()
         meta = ctx.attn_metadata
         rows = x.shape[0]
         tables = meta.block_tables
+        lora = ctx.lora
         return (0 < rows <= PREFILL_ROWS and meta.num_decodes == rows == meta.num_seqs
+                and (lora is None or (self.kernel.has_lora and lora.row_slots is not None
+                                      and lora.row_slots.numel() == rows))
                 and meta.window is None and (num_layers is None or num_layers >= 0)
                 and x.dtype == torch.float32 and x.is_contiguous()
                 and positions.dtype == torch.int64 and positions.is_contiguous()
@@ -82,8 +92,9 @@ class DecodeStack:
         self.calls += 1
         if n < self.kernel.num_layers:
             self.partial_calls += 1
+        adapters = None if ctx.lora is None else ctx.lora.row_slots
         return self.kernel(x, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                           rope.cos, rope.sin, n, torch.get_num_threads())
+                           rope.cos, rope.sin, n, torch.get_num_threads(), adapters)
 
 
 def _layer_weights(layer: torch.nn.Module) -> cpu_fused.LayerWeights | None:

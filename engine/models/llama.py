@@ -9,34 +9,42 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.run.forward_context import get_forward_context, lora_active
+from engine.run.forward_context import get_forward_context, step_lora
 from kernels.cpu import ops as cpu_ops
+
+if TYPE_CHECKING:
+    from engine.run.lora.batch import LoraBatch
+    from kernels.cpu.lora import SlotWeights
 
 
 # NOTE: the fast-path slots below (RMSNorm.fused, MLP.fused, LlamaForCausalLM.fused_cpu_ops
 # and .decode_stack) are filled by engine/models/accelerate.py after loading; left empty, the
 # model runs its torch formulas, the reference every fast path is tested against.
 class FusedMLP(Protocol):
-    """An MLP's whole forward in one call (quant_linear.QuantMLP) for the batches it fits."""
+    """An MLP's whole forward in one call (quant_linear.QuantMLP) for the batches it fits,
+    with the step's LoRA deltas once the adapters' slots are attached (engine/run/lora)."""
 
-    def fits(self, x: torch.Tensor) -> bool: ...
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def fits(self, x: torch.Tensor, lora: LoraBatch | None) -> bool: ...
+    def __call__(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor: ...
+    def attach_lora(self, gate_up: SlotWeights, down: SlotWeights) -> None: ...
 
 
 class FusedStack(Protocol):
     """A plain decode step's whole layer stack and final norm in one call
-    (fused_stack.DecodeStack) for the steps it fits."""
+    (fused_stack.DecodeStack) for the steps it fits, with the step's LoRA deltas once the
+    adapters' slots are attached (per layer: qkv, o, gate_up, down)."""
 
     def fits(self, x: torch.Tensor, positions: torch.Tensor, num_layers: int | None) -> bool: ...
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                  num_layers: int | None) -> torch.Tensor: ...
+    def attach_lora(self, layers: list[tuple[SlotWeights, ...]]) -> None: ...
 
 
 def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Module:
@@ -210,8 +218,10 @@ class MLP(nn.Module):
         self.fused: FusedMLP | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and not lora_active() and self.fused.fits(x):
-            return self.fused(x)
+        if self.fused is not None:
+            lora = step_lora()
+            if self.fused.fits(x, lora):
+                return self.fused(x, lora)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)
@@ -307,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
         assert self.rope is not None, "call init_rope() first"
         x = self.embed(input_ids)
         stack = self.decode_stack
-        if stack is not None and not lora_active() and stack.fits(x, positions, num_layers):
+        if stack is not None and stack.fits(x, positions, num_layers):
             return stack(x, positions, self.rope, num_layers)
         rope = self.rope.lookup(positions, x.dtype, self.fused_cpu_ops)
         local = rope if self.local_rope is None else self.local_rope.lookup(

@@ -30,14 +30,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import lora as cpu_lora
 from kernels.cpu import quant as cpu_quant
 from kernels.cpu.ggml_types import Q8_0
+from kernels.cpu.lora import SlotWeights
+
+if TYPE_CHECKING:
+    from engine.run.lora.batch import LoraBatch
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +198,9 @@ def _merge_same_type(parts: list[QuantWeight]) -> list[QuantWeight]:
 
 class QuantMLP(nn.Module):
     """An MLP's gate/up and down products and its activation in one kernel call
-    (cpu_quant.PackedMLP) for up to `packed_rows_limit` rows (any count in a8); the MLP keeps
-    its own path otherwise. engine/models/accelerate.py installs it in llama.MLP's slot.
+    (cpu_quant.PackedMLP) for up to `packed_rows_limit` rows (any count in a8), LoRA deltas
+    included once attached; the MLP keeps its own path otherwise.
+    engine/models/accelerate.py installs it in llama.MLP's slot.
     NOTE: one call instead of two products and three torch ops per layer: 30-40 us of a
     decode step's per-layer overhead on SmolLM2-135M."""
 
@@ -206,6 +213,7 @@ class QuantMLP(nn.Module):
         self._rows_limit = packed_rows_limit(gate_up.numerics)
         self._mlp = cpu_quant.PackedMLP(gu.data, gu.type_id, dn.data, dn.type_id, self.hidden,
                                         down.in_features, gate_up.numerics, act)
+        self._lora: cpu_lora.MlpDeltas | None = None  # attach_lora
 
     @staticmethod
     def applies(gate_up: nn.Module, down: nn.Module) -> bool:
@@ -213,13 +221,26 @@ class QuantMLP(nn.Module):
                    for m in (gate_up, down)) and gate_up.out_features == 2 * down.in_features \
             and cpu_quant.fuses(gate_up.parts[0].type_id, down.parts[0].type_id)
 
-    def fits(self, x: torch.Tensor) -> bool:
-        return (x.dtype == torch.float32 and x.is_contiguous()
-                and 0 < x.numel() <= self._rows_limit * self.hidden)
+    def attach_lora(self, gate_up: SlotWeights, down: SlotWeights) -> None:
+        """The adapters' slots of this MLP's gate_up and down (engine/run/lora): a step's
+        rows with an adapter get their deltas inside the one call, gate_up's before the
+        activation."""
+        if not (gate_up.runs_in_c() and down.runs_in_c()):
+            raise ValueError("the one-call MLP adds LoRA deltas from float32 CPU slots only")
+        self._lora = cpu_lora.MlpDeltas(gate_up, down)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fits(self, x: torch.Tensor, lora: LoraBatch | None = None) -> bool:
+        """x's rows fit the one call; with a step's LoRA rows, once the slots are attached
+        and where the C kernels add the deltas (LoraBatch.runs_in_c)."""
+        return (x.dtype == torch.float32 and x.is_contiguous()
+                and 0 < x.numel() <= self._rows_limit * self.hidden
+                and (lora is None or (self._lora is not None
+                                      and lora.runs_in_c(x.numel() // self.hidden))))
+
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         out = torch.empty_like(x)
-        self._mlp(x.view(-1, self.hidden), out.view(-1, self.hidden))
+        deltas = None if lora is None else self._lora.address(lora.row_slots)
+        self._mlp(x.view(-1, self.hidden), out.view(-1, self.hidden), deltas)
         return out
 
 

@@ -41,7 +41,7 @@ def get_forward_context() -> ForwardContext:
     return _current
 
 
-def lora_active() -> bool:
-    """This step has rows with a LoRA adapter: the fused paths that bypass the linears (the
-    one-call decode stack, the fused quantized MLP) must leave it to the per-layer path."""
-    return _current is not None and _current.lora is not None
+def step_lora() -> LoraBatch | None:
+    """This step's rows with a LoRA adapter (None: none, or no step running): the fused paths
+    that bypass the linears (the one-call decode stack and MLP) add their deltas themselves."""
+    return None if _current is None else _current.lora

@@ -1,6 +1,7 @@
 """A decode step's decoder stack in one C call (csrc/fused.c) over packed quantized layers: the
-driver calls ops.c's norms and rope, quant_packed.c's products, mlp.c's MLP and decode.c's KV
-write and decode attention directly, all in the one CPU library (kernels/cpu/library.py).
+driver calls ops.c's norms and rope, quant_packed.c's products, mlp.c's MLP, decode.c's KV
+write and decode attention and lora.c's per-row LoRA deltas directly, all in the one CPU
+library (kernels/cpu/library.py).
 
 NOTE: 30 layers of SmolLM2-135M cost about 2.9 ms of Python and torch per decoded token
 between the kernels (a8: 9.2 ms per token, of which the products 5.3 and attention 1.0).
@@ -16,11 +17,13 @@ import torch
 from kernels.cpu import library
 from kernels.cpu.decode import MAX_BLOCK, MAX_GROUP, MAX_ROWS
 from kernels.cpu.library import available, build_error
+from kernels.cpu.lora import LoraWeights, SlotWeights
 from kernels.cpu.quant import ACTIVATIONS, NUMERICS
 
 __all__ = ["KV_DTYPES", "DecodeStack", "LayerWeights", "available", "build_error", "runs_with"]
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's products, in fused.c's order
 
 # The KV pool dtypes the driver takes (decode.c's float32 and float16 entry points).
 KV_DTYPES = (torch.float32, torch.float16)
@@ -30,14 +33,15 @@ class _Shape(ctypes.Structure):
     _fields_ = [*[(n, _i64) for n in ("hidden", "inter", "heads", "kv_heads", "head_dim",
                                       "block_size", "num_slots")],
                 ("eps", _f32), ("scale", _f32), ("numerics", ctypes.c_int),
-                ("act", ctypes.c_int), ("kv_f16", ctypes.c_int)]
+                ("act", ctypes.c_int), ("kv_f16", ctypes.c_int), ("lora_slots", _i64)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [*[(n, _ptr) for n in ("input_norm", "post_norm", "qkv", "o", "gate_up",
                                       "down")],
                 *[(n, _i64) for n in ("qkv_type", "o_type", "gate_up_type", "down_type")],
-                ("k_cache", _ptr), ("v_cache", _ptr)]
+                ("k_cache", _ptr), ("v_cache", _ptr),
+                *[(f"{n}_lora", LoraWeights) for n in _PRODUCTS]]
 
 
 def runs_with(backend: object) -> bool:
@@ -74,7 +78,7 @@ class DecodeStack:
         self._table = (_Layer * len(layers))()
         for row, w in zip(self._table, layers, strict=True):
             row.input_norm, row.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in _PRODUCTS:
                 tiles, type_id = getattr(w, name)
                 setattr(row, name, tiles.data_ptr())
                 setattr(row, f"{name}_type", type_id)
@@ -82,6 +86,7 @@ class DecodeStack:
                              NUMERICS[numerics], ACTIVATIONS[act])
         self._final = final_norm.data_ptr()
         self._caches: list | None = None  # the pools the table points at
+        self._lora: list | None = None  # the LoRA slots the table points at (set_lora)
         self._checked: tuple[list, bool] | None = None  # the last pools checked, and the answer
         self.num_layers, self.hidden = len(layers), hidden
 
@@ -125,15 +130,39 @@ class DecodeStack:
         self._shape.num_slots = shape[0] * shape[1]
         self._caches = kv_caches
 
+    def set_lora(self, layers: list[tuple[SlotWeights, SlotWeights, SlotWeights, SlotWeights]]
+                 ) -> None:
+        """Point the layer table at each layer's LoRA slots of qkv, o, gate_up and down (one
+        slot count for all; SlotWeights.runs_in_c holds); rows with an adapter get their
+        deltas from then on."""
+        if len(layers) != self.num_layers:
+            raise ValueError(f"LoRA slots for {len(layers)} layers; the stack has "
+                             f"{self.num_layers}")
+        counts = {w.a.shape[0] for ws in layers for w in ws}
+        if len(counts) != 1 or not all(w.runs_in_c() for ws in layers for w in ws):
+            raise ValueError("LoRA slots must be contiguous float32 CPU tensors, one count")
+        for row, weights in zip(self._table, layers, strict=True):
+            for name, w in zip(_PRODUCTS, weights, strict=True):
+                setattr(row, f"{name}_lora", w.struct())
+        self._shape.lora_slots = counts.pop()
+        self._lora = layers  # NOTE: the table holds their raw addresses
+
+    @property
+    def has_lora(self) -> bool:
+        return self._lora is not None
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  tables: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, num_layers: int, num_threads: int) -> torch.Tensor:
+                 sin: torch.Tensor, num_layers: int, num_threads: int,
+                 adapters: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm of layer num_layers's hidden states, [rows, hidden].
 
         x float32 [rows, hidden] contiguous; positions, slots int64 [rows]; tables int64
         [rows, >= blocks] with contiguous rows; seq_lens int32 [rows]; cos, sin float32
         [max_positions, head_dim] contiguous (the signed sin of engine/models/llama.py's
-        RotaryEmbedding). Not checked here: the caller's fits() did.
+        RotaryEmbedding); adapters: each row's LoRA slot, int32 [rows] contiguous, -1 for
+        none (None: no row has one; else set_lora was called). Not checked here: the
+        caller's fits() did.
         """
         rows = x.shape[0]
         out = torch.empty(rows, self.hidden, dtype=torch.float32)
@@ -141,8 +170,8 @@ class DecodeStack:
             ctypes.addressof(self._shape),
             ctypes.addressof(self._table), num_layers, x.data_ptr(), rows,
             positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
-            seq_lens.data_ptr(), cos.data_ptr(), sin.data_ptr(), self._final, out.data_ptr(),
-            num_threads)
+            seq_lens.data_ptr(), None if adapters is None else adapters.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), self._final, out.data_ptr(), num_threads)
         if rc == -2:
             raise IndexError("KV cache slots out of range")
         if rc:

@@ -36,6 +36,7 @@ SOURCES: tuple[tuple[str, list[str]], ...] = (
     ("quant_packed.c", PORTABLE),  # 16-feature packed tiles
     ("mlp.c", PORTABLE),  # the one-call MLP over packed tiles
     ("quant_kpacked.c", PORTABLE),  # packed tiles of Q5_0, Q5_1 and the K-quants
+    ("lora.c", PORTABLE),  # per-row LoRA deltas
     ("fused.c", _BASE),  # a decode step's decoder stack, calling the kernels above
 )
 
@@ -65,7 +66,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "quant_matmul_packed": ([_i32, _p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32, _i32], _i32),
     "quant_packed_rows": ([_i32, _p, _i64, _i64, _p, _i64, _i64, _p, _i32], _i32),
     "quant_packed_kmajor": ([_i32, _p, _i64, _i64, _i64, _i64, _p, _i64, _i32], _i32),
-    "quant_mlp_packed": ([_i32, _p, _i32, _p, _i64, _i64, _p, _i64, _p, _i32, _i32, _i32],
+    "quant_mlp_packed": ([_i32, _p, _i32, _p, _i64, _i64, _p, _i64, _p, _i32, _i32, _p, _i32],
                          _i32),
     "kq_isa_supported": ([], _i32),
     "kq_packed_bytes": ([_i32, _i64, _i64], _i64),
@@ -73,9 +74,12 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "kq_matmul_packed": ([_i32, _p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32, _i32], _i32),
     "kq_packed_rows": ([_i32, _p, _i64, _i64, _p, _i64, _i64, _p, _i32], _i32),
     "kq_packed_kmajor": ([_i32, _p, _i64, _i64, _i64, _i64, _p, _i64, _i32], _i32),
-    "kq_mlp_packed": ([_i32, _p, _i32, _p, _i64, _i64, _p, _i64, _p, _i32, _i32, _i32], _i32),
-    "fused_decode_stack": ([_p, _p, _i32, _p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _i32],
-                           _i32),
+    "kq_mlp_packed": ([_i32, _p, _i32, _p, _i64, _i64, _p, _i64, _p, _i32, _i32, _p, _i32],
+                      _i32),
+    "lora_delta_f32": ([_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i64, _i64, _p, _i64, _i64, _i32,
+                        _i32], _i32),
+    "fused_decode_stack": ([_p, _p, _i32, _p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p,
+                            _i32], _i32),
 }
 
 _lib: ctypes.CDLL | None = None

@@ -223,9 +223,10 @@ class PackedMLP:
                       hidden)
         self._tail = (NUMERICS[numerics], ACTIVATIONS[act])
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """x and out float32 [M, hidden], contiguous (not checked), M >= 1."""
-        if self._fn(*self._head, x.data_ptr(), x.shape[0], out.data_ptr(), *self._tail,
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, lora: int | None = None) -> None:
+        """x and out float32 [M, hidden], contiguous (not checked), M >= 1. lora: the address
+        of an api.h MlpLora whose deltas to add (kernels/cpu/lora.py's MlpDeltas), or None."""
+        if self._fn(*self._head, x.data_ptr(), x.shape[0], out.data_ptr(), *self._tail, lora,
                     torch.get_num_threads()):
             raise RuntimeError("quant_mlp_packed failed")
 

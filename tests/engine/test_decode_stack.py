@@ -9,11 +9,11 @@ from __future__ import annotations
 import c_build
 import pytest
 import torch
+from decode_steps import copy_caches, decode_batch, forward, random_state
 from tiny_quant_gguf import write_tiny_gguf
 
 from engine import LLM, SamplingParams
 from engine.run.forward_context import ForwardContext, forward_context
-from kernels import AttentionMetadata
 from kernels.attention import cpu_backend, torch_backend
 from kernels.cpu import fused as cpu_fused
 from kernels.cpu import quant as cpu_quant
@@ -37,41 +37,6 @@ def llm(request, q4_1_gguf, bundled_tokenizer_dir):
                num_gpu_blocks=64, quantization="gguf", quantization_numerics=request.param)
 
 
-def _batch(lens: list[int], query_lens: list[int], block_size: int, gen: torch.Generator):
-    """Token ids, positions and metadata of sequences of `lens` tokens (the new ones
-    included), each in its own blocks, the last query_lens[i] tokens new."""
-    per = [-(-n // block_size) for n in lens]
-    tables = torch.zeros(len(lens), max(per), dtype=torch.int64)  # padded with block 0
-    for i, first in enumerate(torch.tensor([1, *per]).cumsum(0)[:-1].tolist()):
-        tables[i, : per[i]] = torch.arange(first, first + per[i])
-    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, query_lens, strict=True)])
-    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(query_lens))
-    slots = tables[seq, positions // block_size] * block_size + positions % block_size
-    qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
-    meta = AttentionMetadata(
-        query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=tables, slot_mapping=slots,
-        num_decodes=sum(q == 1 for q in query_lens), query_lens_cpu=query_lens,
-        seq_lens_cpu=lens, max_decode_seq_len=max(lens))
-    ids = torch.randint(100, 49152, (len(positions),), generator=gen)
-    return ids, positions, meta
-
-
-def _forward(model, caches, meta, ids, positions, backend=cpu_backend, num_layers=None):
-    with torch.inference_mode(), forward_context(ForwardContext(meta, caches, backend)):
-        return model(ids, positions, num_layers=num_layers)
-
-
-def _random_state(runner, gen, dtype=torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(torch.randn(k.shape, generator=gen).to(dtype),
-             torch.randn(v.shape, generator=gen).to(dtype)) for k, v in runner.kv_caches]
-
-
-def _copy(caches):
-    return [(k.clone(), v.clone()) for k, v in caches]
-
-
 @pytest.mark.parametrize("kv_dtype", list(cpu_fused.KV_DTYPES))
 @pytest.mark.parametrize("lens", [[1], [40], [1, 17, 40, 100], [16, 33, 250, 2, 64, 5, 129]])
 def test_stack_equals_the_per_layer_path(llm, lens, kv_dtype):
@@ -82,17 +47,17 @@ def test_stack_equals_the_per_layer_path(llm, lens, kv_dtype):
     model, stack = runner.model, runner.model.decode_stack
     assert stack is not None
     gen = torch.Generator().manual_seed(len(lens))
-    state = _random_state(runner, gen, kv_dtype)
-    ids, positions, meta = _batch(lens, [1] * len(lens), runner.block_size, gen)
+    state = random_state(runner, gen, kv_dtype)
+    ids, positions, meta = decode_batch(lens, [1] * len(lens), runner.block_size, gen)
     for num_layers in (None, 1):  # all layers, and the self draft's first layer
         calls = stack.calls
-        fused_caches = _copy(state)
-        fused = _forward(model, fused_caches, meta, ids, positions, num_layers=num_layers)
+        fused_caches = copy_caches(state)
+        fused = forward(model, fused_caches, meta, ids, positions, num_layers=num_layers)
         assert stack.calls == calls + 1
         model.decode_stack = None
         try:
-            layer_caches = _copy(state)
-            ref = _forward(model, layer_caches, meta, ids, positions, num_layers=num_layers)
+            layer_caches = copy_caches(state)
+            ref = forward(model, layer_caches, meta, ids, positions, num_layers=num_layers)
         finally:
             model.decode_stack = stack
         assert torch.equal(fused, ref)
@@ -107,18 +72,18 @@ def test_steps_the_stack_does_not_take_fall_back(llm):
     runner = llm.engine.runner
     model, stack = runner.model, runner.model.decode_stack
     gen = torch.Generator().manual_seed(1)
-    state = _random_state(runner, gen)
+    state = random_state(runner, gen)
     calls = stack.calls
-    mixed = _batch([20, 9], [1, 5], runner.block_size, gen)
-    _forward(model, _copy(state), mixed[2], *mixed[:2])
-    decode = _batch([20, 9], [1, 1], runner.block_size, gen)
-    _forward(model, _copy(state), decode[2], *decode[:2], backend=torch_backend)
+    mixed = decode_batch([20, 9], [1, 5], runner.block_size, gen)
+    forward(model, copy_caches(state), mixed[2], *mixed[:2])
+    decode = decode_batch([20, 9], [1, 1], runner.block_size, gen)
+    forward(model, copy_caches(state), decode[2], *decode[:2], backend=torch_backend)
     for dtype, takes in ((torch.float8_e4m3fn, False), (torch.float16, True),
                          (torch.bfloat16, False)):
         fit = stack.kernel.caches_fit([(k.to(dtype), v.to(dtype)) for k, v in state])
         assert fit == takes, dtype
     assert not stack.kernel.caches_fit(state[:1])  # fewer pools than layers
-    wide = _batch([3] * 65, [1] * 65, runner.block_size, gen)
+    wide = decode_batch([3] * 65, [1] * 65, runner.block_size, gen)
     with forward_context(ForwardContext(wide[2], state, cpu_backend)):
         assert not stack.fits(torch.zeros(65, model.cfg.hidden_size), wide[1], None)
     assert stack.calls == calls

@@ -7,20 +7,20 @@ import torch
 from torch import nn
 
 from engine.run.forward_context import get_forward_context
+from kernels.cpu.lora import SlotWeights
 
 
 class LoraLinear(nn.Module):
     """`base` (dense, packed or quantized: any module of x) plus the step's LoRA deltas."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor) -> None:
+    def __init__(self, base: nn.Module, slots: SlotWeights) -> None:
         super().__init__()
         self.base = base
-        self.register_buffer("lora_a", a, persistent=False)  # [slots, R, in]
-        self.register_buffer("lora_b", b, persistent=False)  # [slots, out, R]
+        self.slots = slots  # a [slots, R, in], bt [slots, R, out] (kernels/cpu/lora.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         batch = get_forward_context().lora
         if batch is None:
             return out
-        return batch.add_delta(out, x, self.lora_a, self.lora_b)
+        return batch.add_delta(out, x, self.slots)

@@ -1,6 +1,7 @@
 """Adapters by name: the registry (name -> path, id), an LRU of max_cpu_loras read adapters in
 host memory, and max_loras device slots (stacked A/B per adapted linear) that a step's
-adapters are copied into; it wraps the model's linears once and builds each step's LoraBatch."""
+adapters are copied into; it wraps the model's linears once (and hands the same slots to the
+model's one-call MLPs and decode stack) and builds each step's LoraBatch."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 from engine.run.lora.adapter import TARGETS, LoraWeights, read_adapter
 from engine.run.lora.batch import LoraBatch
 from engine.run.lora.layers import LoraLinear
+from kernels.cpu.lora import SlotWeights
 
 
 @dataclass(frozen=True)
@@ -23,11 +25,16 @@ class LoraLimits:
     max_cpu_loras: int  # adapters kept read in host memory (the rest re-read from disk)
 
 
+_PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
 @dataclass
 class _Target:
     parts: list[int]  # output rows of each part (q, k, v or gate, up, or one)
     a: torch.Tensor  # [max_loras, len(parts) * max_rank, in]
-    b: torch.Tensor  # [max_loras, out, len(parts) * max_rank]
+    # [max_loras, len(parts) * max_rank, out]: B transposed, so that the C kernels' second
+    # product runs along contiguous output features
+    bt: torch.Tensor
 
 
 class LoraSlots:
@@ -39,6 +46,7 @@ class LoraSlots:
         self.targets: dict[tuple[int, str], _Target] = {}
         for i, layer in enumerate(model.layers):
             self._wrap(i, layer, cfg)
+        self._attach(model)
         self.paths: dict[str, tuple[int, str]] = {}  # name -> (id, path)
         self._next_id = 1
         self._cpu: OrderedDict[int, LoraWeights] = OrderedDict()  # id -> weights, LRU first
@@ -55,9 +63,25 @@ class LoraSlots:
         for name, (parent, fan_in, parts) in shapes.items():
             kw = {"dtype": self.dtype, "device": self.device}
             t = _Target(parts, torch.zeros(n, len(parts) * r, fan_in, **kw),
-                        torch.zeros(n, sum(parts), len(parts) * r, **kw))
+                        torch.zeros(n, len(parts) * r, sum(parts), **kw))
             self.targets[(i, name)] = t
-            setattr(parent, name, LoraLinear(getattr(parent, name), t.a, t.b))
+            setattr(parent, name, LoraLinear(getattr(parent, name), self.weights(i, name)))
+
+    def weights(self, layer: int, name: str) -> SlotWeights:
+        """The slots of one adapted linear (`name` one of qkv/o/gate_up/down_proj)."""
+        t = self.targets[(layer, name)]
+        return SlotWeights(t.a, t.bt)
+
+    def _attach(self, model: nn.Module) -> None:
+        """The fast paths that bypass the linears add the same slots' deltas themselves."""
+        for i, layer in enumerate(model.layers):
+            if layer.mlp.fused is not None:
+                layer.mlp.fused.attach_lora(self.weights(i, "gate_up_proj"),
+                                            self.weights(i, "down_proj"))
+        if model.decode_stack is not None:
+            model.decode_stack.attach_lora(
+                [tuple(self.weights(i, name) for name in _PRODUCTS)
+                 for i in range(self.num_layers)])
 
     # ---- registry ---------------------------------------------------------------------------
 
@@ -107,8 +131,10 @@ class LoraSlots:
         """The LoraBatch of a step whose rows are (adapter id or None, tokens), in batch
         order; None when no row has an adapter (the base model's fast paths then run)."""
         spans: dict[int, list[tuple[int, int]]] = {}
+        ids: list[tuple[int | None, int]] = []
         start = 0
         for lora_id, n in rows:
+            ids.append((lora_id, n))
             if lora_id is not None:
                 own = spans.setdefault(lora_id, [])
                 if own and own[-1][1] == start:  # NOTE: adjacent rows: one contiguous span
@@ -120,7 +146,11 @@ class LoraSlots:
             return None
         slots = self._assign(list(spans))
         groups = [(slots[i], _rows(s, self.device)) for i, s in spans.items()]
-        return LoraBatch(groups)
+        row_slots = None
+        if self.device.type == "cpu":  # NOTE: the C kernels' form (one slot per token row)
+            per_token = [-1 if i is None else slots[i] for i, n in ids for _ in range(n)]
+            row_slots = torch.tensor(per_token, dtype=torch.int32)
+        return LoraBatch(groups, row_slots)
 
     def _assign(self, ids: list[int]) -> dict[int, int]:
         if len(ids) > self.limits.max_loras:
@@ -148,13 +178,13 @@ class LoraSlots:
         r = self.limits.max_lora_rank
         for t in self.targets.values():
             t.a[slot].zero_()
-            t.b[slot].zero_()
+            t.bt[slot].zero_()
         for (layer, hf), m in weights.modules.items():
             fused, part = TARGETS[hf]
             t = self.targets[(layer, fused)]
-            rank, row0 = m.a.shape[0], sum(t.parts[:part])
+            rank, col0 = m.a.shape[0], sum(t.parts[:part])
             t.a[slot, part * r : part * r + rank] = m.a
-            t.b[slot, row0 : row0 + t.parts[part], part * r : part * r + rank] = m.b
+            t.bt[slot, part * r : part * r + rank, col0 : col0 + t.parts[part]] = m.b.T
 
     # ---- counters ---------------------------------------------------------------------------
 

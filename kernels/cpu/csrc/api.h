@@ -35,6 +35,27 @@ void rope_f32(const float *x, int64_t x_stride, const int64_t *positions, const 
 void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out,
                      int num_threads);
 
+/* ---- lora.c: per-row LoRA deltas ---------------------------------------------------------- */
+/* One adapted projection's slots: a [num_slots, rank, K] contiguous and bt [num_slots, rank,
+ * N] with rows ldb >= N floats apart (B transposed, the adapter's scaling folded in), float32;
+ * a NULL: not adapted. */
+typedef struct {
+    const float *a, *bt;
+    int64_t rank, ldb;
+} LoraWeights;
+
+/* An MLP's LoRA for one call: each row's adapter slot (-1: none; slots NULL: no row has one)
+ * and the slots of gate_up (K hidden, N 2 inter, gate first) and down (K inter, N hidden). */
+typedef struct {
+    const int32_t *slots;
+    int64_t num_slots;
+    LoraWeights gate_up, down;
+} MlpLora;
+
+int lora_delta_f32(const float *x, int64_t xs, int64_t M, int64_t K, const int32_t *slots,
+                   int64_t num_slots, const float *a, const float *bt, int64_t rank,
+                   int64_t ldb, float *out, int64_t os, int64_t N, int isa, int num_threads);
+
 /* ---- quant.c, quant_packed.c, mlp.c: products with GGUF-quantized weights ----------------- */
 int quant_block_elems(int type);
 int quant_block_bytes(int type);
@@ -55,7 +76,7 @@ int quant_matmul_packed(int type, const uint8_t *packed, int64_t N, int64_t K, c
                         int num_threads);
 int quant_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int64_t I,
                      int64_t H, const float *x, int64_t M, float *out, int numerics, int act,
-                     int num_threads);
+                     const MlpLora *lora, int num_threads);
 
 /* ---- quant_kpacked.c: packed tiles of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (same arguments) ------- */
 int kq_isa_supported(void);
@@ -69,7 +90,8 @@ int kq_matmul_packed(int type, const uint8_t *packed, int64_t N, int64_t K, cons
                      int64_t xs, int64_t M, float *out, int64_t os, int numerics,
                      int num_threads);
 int kq_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int64_t I, int64_t H,
-                  const float *x, int64_t M, float *out, int numerics, int act, int num_threads);
+                  const float *x, int64_t M, float *out, int numerics, int act,
+                  const MlpLora *lora, int num_threads);
 
 /* ---- fused.c: a decode step's decoder stack (its structs in fused.c) ---------------------- */
 

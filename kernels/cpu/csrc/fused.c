@@ -1,7 +1,9 @@
 /* A decode step's whole decoder stack in one call, for Llama-layout models whose projections
  * are packed quantized tiles (every row one token): per layer add + RMSNorm, the QKV product,
  * rope, the KV write, paged decode attention, the O product, add + RMSNorm and the one-call
- * MLP; then the final norm. The LM head stays with the caller.
+ * MLP; then the final norm. The LM head stays with the caller. Rows with a LoRA adapter get
+ * its delta (lora.c) after each adapted product: qkv and o here, gate_up (before the
+ * activation) and down inside the MLP's call.
  *
  * No kernel is written here: ops.c, quant_packed.c, mlp.c and decode.c keep theirs (with their
  * own compile flags) and this driver calls them in the same library (api.h). Each kernel
@@ -14,21 +16,36 @@
 #include <string.h>
 
 #include "api.h"
+#include "common.h"
 
 typedef struct {
     int64_t hidden, inter, heads, kv_heads, head_dim, block_size, num_slots;
     float eps, scale;
     int numerics, act; /* quant.h's: 0 a32, 1 a8; mlp.c's: 0 silu, 1 gelu_tanh */
     int kv_f16;        /* the pools hold float16 bits */
+    int64_t lora_slots; /* the LoRA slots each layer's LoraWeights hold (0: none) */
 } Shape;
 
-/* One layer's weights (packed tiles, ggml type ids) and KV pools [num_slots, kv_heads, D]. */
+/* One layer's weights (packed tiles, ggml type ids), KV pools [num_slots, kv_heads, D] and
+ * LoRA slots of its four products (api.h's LoraWeights, a NULL: not adapted). */
 typedef struct {
     const float *input_norm, *post_norm;
     const uint8_t *qkv, *o, *gate_up, *down;
     int64_t qkv_type, o_type, gate_up_type, down_type;
     void *k_cache, *v_cache; /* float or uint16_t (kv_f16) */
+    LoraWeights qkv_lora, o_lora, gate_up_lora, down_lora;
 } Layer;
+
+/* out [M, N] += the LoRA delta of x [M, K] for the rows with an adapter (adapters NULL: none) */
+static int add_lora(const Shape *s, const LoraWeights *w, const int32_t *adapters,
+                    const float *x, int64_t K, int64_t M, float *out, int64_t N,
+                    int num_threads)
+{
+    if (!adapters || !w->a)
+        return 0;
+    return lora_delta_f32(x, K, M, K, adapters, s->lora_slots, w->a, w->bt, w->rank, w->ldb,
+                          out, N, N, ISA_AUTO, num_threads);
+}
 
 static int64_t write_kv(const Shape *s, const Layer *L, const float *key, int64_t key_stride,
                         const float *value, int64_t value_stride, const int64_t *slots,
@@ -58,13 +75,15 @@ static void decode(const Shape *s, const Layer *L, const float *q, int64_t q_str
 
 /* x [rows, hidden]: the embedded tokens; out [rows, hidden]: the final norm of the last
  * layer's hidden state. positions, slots [rows]; tables [rows, table_stride] block ids;
- * seq_lens [rows] (each with the new token); cos/sin: rope's full [positions, D] tables.
- * Returns 0, -1 when a kernel or an allocation failed, -2 when a slot is out of range. */
+ * seq_lens [rows] (each with the new token); cos/sin: rope's full [positions, D] tables;
+ * adapters [rows]: each row's LoRA slot, -1 for none (NULL: no row has one).
+ * Returns 0, -1 when a kernel or an allocation failed (or a LoRA slot is out of range), -2
+ * when a KV slot is out of range. */
 int fused_decode_stack(const Shape *s, const Layer *layers, int num_layers, const float *x,
                        int64_t rows, const int64_t *positions,
                        const int64_t *slots, const int64_t *tables, int64_t table_stride,
-                       const int32_t *seq_lens, const float *cos_t, const float *sin_t,
-                       const float *final_norm, float *out, int num_threads)
+                       const int32_t *seq_lens, const int32_t *adapters, const float *cos_t,
+                       const float *sin_t, const float *final_norm, float *out, int num_threads)
 {
     const int64_t H = s->hidden, D = s->head_dim, M = rows;
     const int64_t nq = s->heads * D, nkv = s->kv_heads * D;
@@ -83,7 +102,8 @@ int fused_decode_stack(const Shape *s, const Layer *layers, int num_layers, cons
         add_rms_norm_f32(l ? cur : res, l ? res : NULL, L->input_norm, h, M, H, s->eps,
                          num_threads);
         if (quant_matmul_packed((int)L->qkv_type, L->qkv, nqkv, H, h, H, M, qkv, nqkv,
-                                s->numerics, num_threads)) {
+                                s->numerics, num_threads)
+            || add_lora(s, &L->qkv_lora, adapters, h, H, M, qkv, nqkv, num_threads)) {
             rc = -1;
             break;
         }
@@ -95,13 +115,16 @@ int fused_decode_stack(const Shape *s, const Layer *layers, int num_layers, cons
         }
         decode(s, L, qk, nqk, tables, table_stride, seq_lens, attn, nq, M, num_threads);
         if (quant_matmul_packed((int)L->o_type, L->o, H, nq, attn, nq, M, o, H, s->numerics,
-                                num_threads)) {
+                                num_threads)
+            || add_lora(s, &L->o_lora, adapters, attn, nq, M, o, H, num_threads)) {
             rc = -1;
             break;
         }
         add_rms_norm_f32(o, res, L->post_norm, h, M, H, s->eps, num_threads);
+        const MlpLora mlp_lora = {adapters, s->lora_slots, L->gate_up_lora, L->down_lora};
         if (quant_mlp_packed((int)L->gate_up_type, L->gate_up, (int)L->down_type, L->down,
-                             s->inter, H, h, M, cur, s->numerics, s->act, num_threads))
+                             s->inter, H, h, M, cur, s->numerics, s->act,
+                             adapters ? &mlp_lora : NULL, num_threads))
             rc = -1;
     }
     if (!rc) {

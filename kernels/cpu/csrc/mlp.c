@@ -1,11 +1,13 @@
 /* The fused MLP over packed tiles: down(act(gate) * up) in one call and one OpenMP region
  * (quant_packed.c's tile products, a vectorized exp for SiLU and tanh-GELU, and the A8
- * requantization of the activation between them). AVX-512 VNNI only.
+ * requantization of the activation between them), with the rows' LoRA deltas (lora.c) added
+ * after each product: gate_up's before the activation. AVX-512 VNNI only.
  */
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "api.h"
+#include "lora.h"
 #include "quant.h"
 
 #if KERNELS_X86
@@ -63,11 +65,12 @@ TARGET_AVX512 static void act_rows(int act, const float *h, int64_t I, int64_t r
 
 /* A whole MLP for packed weights in one call: out[M, H] = down(act(gate) * up) with gate|up
  * = the rows of `gu` ([2I, H]: gate features first) and `dn` [H, I]; act 0 silu, 1 gelu_tanh.
- * One OpenMP region: the gate/up tiles, the activation, the down tiles, barriers between.
- * x and out contiguous. AVX-512 VNNI only. */
+ * One OpenMP region: the gate/up tiles, the activation, the down tiles, barriers between;
+ * with `lora` (NULL: none) each adapted product's delta right after it. x and out contiguous.
+ * AVX-512 VNNI only. */
 int quant_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int64_t I,
                      int64_t H, const float *x, int64_t M, float *out, int numerics, int act,
-                     int num_threads)
+                     const MlpLora *lora, int num_threads)
 {
     if (quant_packed_bytes(tgu, 2 * I, H) < 0 || quant_packed_bytes(td, H, I) < 0 || M < 1
         || num_threads < 1
@@ -78,12 +81,14 @@ int quant_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int6
     const int64_t tb_gu = GH * pgroup_bytes(tgu), tb_dn = GI * pgroup_bytes(td);
     float *h = malloc(sizeof(float) * (size_t)(M * 2 * I)), *a = malloc(sizeof(float) * (size_t)(M * I));
     QAct qx = {NULL, NULL, NULL}, qa = {NULL, NULL, NULL};
-    int failed = !h || !a;
+    LoraGroups lg;
+    int adapted;
+    int failed = lora_mlp_group(lora, M, &lg, &adapted) || !h || !a;
     if (!failed && numerics == NUM_A8)
         failed = quantize_act(x, H, M, H, &qx, ISA_AVX512, num_threads) || qact_alloc(M, I, &qa);
     if (failed) {
         free(h), free(a), free(qx.q), free(qx.dx), free(qx.sx);
-        free(qa.q), free(qa.dx), free(qa.sx);
+        free(qa.q), free(qa.dx), free(qa.sx), lora_groups_free(&lg);
         return -1;
     }
     const int64_t ichunks = (I + 63) / 64;
@@ -97,6 +102,8 @@ int quant_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int6
                        t + 1 < tiles_gu ? gu + (t + 1) * tb_gu : NULL, GH, H, x, H, &qx, M,
                        h + 16 * t, 2 * I, valid);
         }
+        if (adapted && lora->gate_up.a)
+            lora_delta_team(&lg, &lora->gate_up, x, H, H, h, 2 * I, 2 * I, ISA_AVX512);
 #pragma omp for schedule(static) collapse(2)
         for (int64_t r = 0; r < M; r++)
             for (int64_t c = 0; c < ichunks; c++) {
@@ -115,9 +122,11 @@ int quant_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int6
             ptile_rows(td, numerics, dn + t * tb_dn, t + 1 < tiles_dn ? dn + (t + 1) * tb_dn : NULL,
                        GI, I, a, I, &qa, M, out + 16 * t, H, valid);
         }
+        if (adapted && lora->down.a)
+            lora_delta_team(&lg, &lora->down, a, I, I, out, H, H, ISA_AVX512);
     }
     free(h), free(a), free(qx.q), free(qx.dx), free(qx.sx);
-    free(qa.q), free(qa.dx), free(qa.sx);
+    free(qa.q), free(qa.dx), free(qa.sx), lora_groups_free(&lg);
     return 0;
 #else
     return -1;

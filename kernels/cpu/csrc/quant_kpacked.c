@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "common.h" /* float16 bits, the GGML type ids (T_*), rd16 */
+#include "lora.h"   /* the MLP's LoRA deltas */
 
 enum { NUM_A32 = 0, NUM_A8 = 1 };
 
@@ -631,10 +632,12 @@ T5F static void act_rows(int act, const float *h, int64_t I, int64_t r, int64_t 
 #endif
 
 /* out[M, H] = down(act(gate) * up), gate|up the rows of `gu` ([2I, H], gate first, type tgu)
- * and `dn` [H, I] (type td), both packed by kq_pack; act 0 silu, 1 gelu_tanh. One OpenMP
- * region, as cpu_quant.c's quant_mlp_packed. x and out contiguous. AVX-512 VNNI only. */
+ * and `dn` [H, I] (type td), both packed by kq_pack; act 0 silu, 1 gelu_tanh; with `lora`
+ * (NULL: none) each adapted product's delta right after it. One OpenMP region, as
+ * cpu_quant.c's quant_mlp_packed. x and out contiguous. AVX-512 VNNI only. */
 int kq_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int64_t I, int64_t H,
-                  const float *x, int64_t M, float *out, int numerics, int act, int num_threads)
+                  const float *x, int64_t M, float *out, int numerics, int act,
+                  const MlpLora *lora, int num_threads)
 {
     if (kq_packed_bytes(tgu, 2 * I, H) < 0 || kq_packed_bytes(td, H, I) < 0 || M < 1
         || num_threads < 1 || !kq_isa_supported() || (act != 0 && act != 1))
@@ -643,11 +646,13 @@ int kq_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int64_t
     float *h = malloc(sizeof(float) * (size_t)(M * 2 * I));
     float *a = malloc(sizeof(float) * (size_t)(M * I));
     QAct qx = {0}, qa = {0};
-    int failed = !h || !a;
+    LoraGroups lg;
+    int adapted;
+    int failed = lora_mlp_group(lora, M, &lg, &adapted) || !h || !a;
     if (!failed && numerics == NUM_A8)
         failed = qact_alloc(M, H, &qx) || qact_alloc(M, I, &qa);
     if (failed) {
-        free(h), free(a), qact_free(&qx), qact_free(&qa);
+        free(h), free(a), qact_free(&qx), qact_free(&qa), lora_groups_free(&lg);
         return -1;
     }
     const int64_t ichunks = (I + 63) / 64;
@@ -659,6 +664,8 @@ int kq_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int64_t
                 quantize_rows(x, H, r, r + 1, H, &qx);
         }
         product_tiles(tgu, numerics, gu, 2 * I, H, x, H, &qx, M, h, 2 * I);
+        if (adapted && lora->gate_up.a)
+            lora_delta_team(&lg, &lora->gate_up, x, H, H, h, 2 * I, 2 * I, ISA_AVX512);
 #pragma omp for schedule(static) collapse(2)
         for (int64_t r = 0; r < M; r++)
             for (int64_t c = 0; c < ichunks; c++) {
@@ -671,8 +678,10 @@ int kq_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int64_t
                 quantize_rows(a, I, r, r + 1, I, &qa);
         }
         product_tiles(td, numerics, dn, H, I, a, I, &qa, M, out, H);
+        if (adapted && lora->down.a)
+            lora_delta_team(&lg, &lora->down, a, I, I, out, H, H, ISA_AVX512);
     }
-    free(h), free(a), qact_free(&qx), qact_free(&qa);
+    free(h), free(a), qact_free(&qx), qact_free(&qa), lora_groups_free(&lg);
     return 0;
 #else
     return -1;
