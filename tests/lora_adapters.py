@@ -36,15 +36,14 @@ def build_adapter(base_dir: Path, out: Path, seed: int, scale: float = 4.0,
     return out
 
 
-def peft_model(base_dir: Path, adapter_dir: Path, dtype=None):
-    """HF PEFT's PeftModel of the base and adapter: the reference (float32 unless `dtype`)."""
+def peft_model(base_dir: Path, adapter_dir: Path):
+    """HF PEFT's PeftModel of the base and adapter: the reference."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    dtype = dtype or torch.float32
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).eval()
-    return PeftModel.from_pretrained(base, adapter_dir).to(dtype).eval()
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
 def dequantized_copy(hf_dir: Path, out: Path, type_name: str) -> Path:
