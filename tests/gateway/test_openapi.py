@@ -35,7 +35,9 @@ from ipc.config import EngineConfig
 pytestmark = pytest.mark.timeout(120)
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance, response_headers_conformance]
-SETTINGS = settings(max_examples=30, derandomize=True, deadline=None, database=None,
+# NOTE: 20 generated cases per mode and route (66 routes: about 97 s at 30, the suite's largest
+# share), beside each route's explicit cases; derandomized, so every run sends the same ones
+SETTINGS = settings(max_examples=20, derandomize=True, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                            HealthCheck.data_too_large])
 RUNNING = "fuzz-running"  # a request the cancel operation's explicit case cancels
