@@ -5,7 +5,11 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
-PYTEST_ARGS ?=
+# NOTE: one pytest-xdist worker per core of CI's two, each pinned to its own core
+# (tests/conftest.py); --dist loadfile keeps a file's module-scoped servers in one worker.
+# `make test PYTEST_ARGS=` runs serially.
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?= -n $(PYTEST_WORKERS) --dist loadfile
 TS      := clients/typescript
 NPM_STAMP := $(TS)/node_modules/.installed
 

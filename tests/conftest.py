@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
-from tiny_llama import build_tiny_llama
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (`make test` runs two workers), worker N keeps CPU N to itself before
+    torch or OpenMP read the CPU count: every process it starts inherits the one CPU, so two
+    workers never fight over both cores with spinning OpenMP threads."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    cpus = sorted(os.sched_getaffinity(0))
+    if worker.startswith("gw") and len(cpus) > 1:
+        os.sched_setaffinity(0, {cpus[int(worker[2:]) % len(cpus)]})
+
+
+_pin_xdist_worker()  # NOTE: before torch loads: libgomp reads the CPU mask when it loads
+
+import pytest  # noqa: E402
+from tiny_llama import build_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")
