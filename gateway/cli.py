@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from ipc import exit_codes
 from ipc.config import EngineConfig, add_engine_args, config_from_args
 from ipc.engine_timeouts import EngineTimeouts
 from ipc.sd_notify import Notifier
+from ipc.transport import check_runtime_dir
 
 log = structlog.get_logger("pagedserve.serve")
 
@@ -211,6 +213,8 @@ def check_args(ns: argparse.Namespace) -> EngineConfig:
                          "engines would share one --master-port")
     if ns.attach_engine and not (ns.engine_input_addr and ns.engine_output_addr):
         raise ValueError("--attach-engine needs --engine-input-addr and --engine-output-addr")
+    if not (ns.engine_input_addr and ns.engine_output_addr):
+        check_runtime_dir()  # NOTE: the default ipc:// addresses must fit a socket's path
     if ns.chat_template is not None and not Path(ns.chat_template).is_file():
         raise ValueError(f"--chat-template {ns.chat_template!r} is not a file")
     settings_from_args(ns)  # NOTE: GatewaySettings validates its own fields (ValueError)
@@ -304,6 +308,13 @@ async def serve(ns: argparse.Namespace) -> int:
         except EngineUnavailableError as exc:
             log.error("engine.failed", error=str(exc))
             status = exit_codes.ENGINE_DIED
+            server.should_exit = True
+            return
+        except Exception as exc:
+            # NOTE: never a gateway left listening with no engine coming: exit, with the cause
+            log.error("engine.start_failed", error=f"{type(exc).__name__}: {exc}",
+                      traceback=traceback.format_exc())
+            status = exit_codes.FAILURE
             server.should_exit = True
             return
         while not server.started:  # NOTE: READY=1 means "send traffic": the port must be open

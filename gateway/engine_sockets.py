@@ -33,9 +33,9 @@ class SocketPump:
         self.sockets: GatewaySockets | None = None
 
     def open(self) -> GatewaySockets:
-        defaults = default_addresses()
-        self.sockets = GatewaySockets(self._addrs[0] or defaults[0],
-                                      self._addrs[1] or defaults[1])
+        given = self._addrs
+        defaults = default_addresses() if None in given else given
+        self.sockets = GatewaySockets(given[0] or defaults[0], given[1] or defaults[1])
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._handshakes()), loop.create_task(self._outputs())]
         for task in self._tasks:

@@ -35,10 +35,28 @@ def runtime_dir() -> Path:
     return path
 
 
+# NOTE: a Unix socket's path must fit sockaddr_un.sun_path (108 bytes with its NUL); the
+# longest name default_addresses makes is engine-<7-digit pid>-<12 hex>-out.sock, after a "/".
+IPC_PATH_MAX = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 107
+_LONGEST_NAME = len("/engine-4194304-0123456789ab-out.sock")
+
+
+def check_runtime_dir() -> Path:
+    """The runtime directory, if the socket paths made in it fit; else a ValueError naming
+    $PAGEDSERVE_RUNTIME_DIR (ZeroMQ would refuse the bind only once the gateway runs)."""
+    directory = runtime_dir()
+    longest = len(os.fsencode(directory)) + _LONGEST_NAME
+    if longest > IPC_PATH_MAX:
+        raise ValueError(f"the engine sockets' directory {directory} is too long: their paths "
+                         f"would take {longest} bytes of the {IPC_PATH_MAX} a Unix socket "
+                         "allows; set PAGEDSERVE_RUNTIME_DIR to a shorter directory")
+    return directory
+
+
 def default_addresses() -> tuple[str, str]:
     """A fresh (input, output) pair of ipc:// addresses in the runtime directory, named for
     this process; the socket files of processes that are gone are removed first."""
-    directory = runtime_dir()
+    directory = check_runtime_dir()
     remove_stale_sockets(directory)
     stem = directory / f"engine-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     return f"ipc://{stem}-in.sock", f"ipc://{stem}-out.sock"

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import zmq
 
 from ipc import transport
 from ipc.messages import (
@@ -116,3 +119,38 @@ def test_socket_files_of_a_gone_gateway_are_removed(tmp_path: Path,
     in_addr, _ = transport.default_addresses()
     assert f"/engine-{os.getpid()}-" in in_addr
     assert sorted(tmp_path.iterdir()) == sorted([live, other])
+
+
+def _dir_of_length(base: Path, length: int) -> Path:
+    path = base / ("d" * (length - len(os.fsencode(base)) - 1))
+    path.mkdir()
+    assert len(os.fsencode(path)) == length
+    return path
+
+
+async def test_the_runtime_dir_is_refused_where_its_socket_paths_would_not_fit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The longest path default_addresses makes still binds (ZeroMQ is the judge) in the
+    longest directory the check accepts; one byte more is a ValueError naming the variable."""
+    base = Path(tempfile.mkdtemp(prefix="ps-", dir="/tmp"))
+    try:
+        fits = _dir_of_length(base, transport.IPC_PATH_MAX - transport._LONGEST_NAME)
+        monkeypatch.setenv("PAGEDSERVE_RUNTIME_DIR", str(fits))
+        assert transport.check_runtime_dir() == fits
+        longest = f"ipc://{fits}/engine-4194304-0123456789ab-out.sock"
+        gw = transport.GatewaySockets(longest.replace("out.sock", "in.sock"), longest)
+        gw.close()
+        over = _dir_of_length(base, transport.IPC_PATH_MAX - transport._LONGEST_NAME + 1)
+        monkeypatch.setenv("PAGEDSERVE_RUNTIME_DIR", str(over))
+        with pytest.raises(ValueError, match="set PAGEDSERVE_RUNTIME_DIR to a shorter"):
+            transport.default_addresses()
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PULL)
+        try:
+            with pytest.raises(zmq.ZMQError):  # NOTE: what the check saves the gateway from
+                sock.bind(f"ipc://{over}/engine-4194304-0123456789ab-out.sock")
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+    finally:
+        shutil.rmtree(base)
