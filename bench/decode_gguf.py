@@ -5,7 +5,7 @@
                                 [--rounds 3] [--prompt-len 128] [--output-len 128] [--rows 1]
                                 [--llama-bench auto|none|PATH] [--threads 2]
 
-A mode is a numerics (a32, a8), "-f16kv" for a float16 KV cache, and "-raw" to load the file
+A mode is a numerics (a32, a8), "-f16kv" for a float16 KV cache (else float32), and "-raw" to load the file
 with the packed tiles of kernels/cpu/csrc/quant_kpacked.c turned off (the raw-block kernels of
 quant_packed.c, as before issue 31), so one run shows both. Each round runs `--rows` greedy
 requests (`ignore_eos`) per mode, the modes in turn; the figure is the median decode step
@@ -47,7 +47,7 @@ def load(model: str, mode: str) -> object:
     from kernels.cpu import kquant as cpu_kquant
 
     numerics = mode.split("-")[0]
-    kv = "float16" if "-f16kv" in mode else "auto"
+    kv = "float16" if "-f16kv" in mode else "float32"
     packs = cpu_kquant.packs
     if mode.endswith("-raw"):
         cpu_kquant.packs = lambda type_id, k: False  # NOTE: this load only

@@ -81,7 +81,7 @@ def pagedserve_kld(model: str, text: str, ctx: int, max_chunks: int, modes: list
     ref = load("none")
     ids = ref.tokenizer(text, add_special_tokens=False)["input_ids"]
     chunks = [ids[i:i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)][:max_chunks]
-    llms = {m: load("gguf", m.split("-")[0], "float16" if "-f16kv" in m else "auto")
+    llms = {m: load("gguf", m.split("-")[0], "float16" if "-f16kv" in m else "float32")
             for m in modes}
     stats = {m: {"kld": [], "nll": [], "top1": []} for m in ["float32", *modes]}
     for chunk in chunks:

@@ -18,6 +18,7 @@ from engine.devices import resolve_device, resolve_dtype
 from engine.models.accelerate import accelerate
 from engine.models.config import ModelConfig, from_hf_config
 from engine.models.loader import load_model, resolve_quantization
+from engine.models.numerics import resolve_kv_dtype, resolve_numerics
 from engine.models.pooling_config import pooling_info
 from engine.models.quant_linear import count_weights
 from engine.run.lora.slots import LoraLimits, LoraSlots
@@ -33,7 +34,7 @@ from engine.tokenizer import tokenizer_dir
 from ipc.config import EngineConfig, step_token_budget
 from ipc.limits import Limits, check_limits, check_pooling_input
 from ipc.messages import AddRequest, EngineStats, TokenDelta
-from ipc.model_source import resolve_model
+from ipc.model_source import ModelSource, resolve_model
 from ipc.pooling import PoolingInfo, PoolingParams
 from ipc.prefix_hash import salt_bytes
 from kernels import Backend, auto_backend, get_backend
@@ -53,18 +54,18 @@ _GRAMMAR_POLL_S = 0.005  # longest wait for a compiling grammar when nothing els
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        """Built in stages: the attention backend (refused before anything loads), the model
-        (loaded, then its fast paths installed), the KV pool's size, the scheduler, the
-        runner."""
+        """Built in stages: the numerics (auto resolved), the attention backend (refused
+        before anything loads), the model (loaded, then its fast paths installed), the KV
+        pool's size, the scheduler, the runner."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_dtype = _KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
+        source = self._resolve_numerics(config)
         backend = self._attention_backend(config)
-        model, ranks = self._build_model(config)
+        model, ranks = self._build_model(config, source)
         # NOTE: from the memory the target model leaves (on CUDA), before the draft loads
         self.num_gpu_blocks = self._num_blocks()
         draft_model = self._draft_model(config)
@@ -94,6 +95,19 @@ class EngineCore:
 
     # ---- build stages --------------------------------------------------------------------------
 
+    def _resolve_numerics(self, config: EngineConfig) -> ModelSource:
+        """The model's source, and the concrete quantization, numerics and KV dtype (every
+        auto resolved: engine/models/numerics.py), logged; returns the source."""
+        source = resolve_model(config.model, config.served_model_name)
+        self.quantization = resolve_quantization(config.quantization, source, self.dtype,
+                                                 self.device, config.tensor_parallel_size)
+        self.numerics = resolve_numerics(config.quantization_numerics, self.quantization)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.numerics, self.dtype)
+        log.info("numerics: quantization %s, products %s, KV cache %s", self.quantization,
+                 self.numerics if self.quantization != "none" else "dense",
+                 str(self.kv_dtype).removeprefix("torch."))
+        return source
+
     def _attention_backend(self, config: EngineConfig) -> Backend:
         """The backend that runs (auto resolved here), checked before any model loads."""
         self.attention_backend = (auto_backend(self.device.type, self.kv_dtype == self.dtype)
@@ -106,16 +120,14 @@ class EngineCore:
                              "--attention-backend triton)")
         return get_backend(self.attention_backend, self.device.type)
 
-    def _build_model(self, config: EngineConfig) -> tuple[torch.nn.Module, Ranks | None]:
+    def _build_model(self, config: EngineConfig,
+                     source: ModelSource) -> tuple[torch.nn.Module, Ranks | None]:
         """The target model (rank 0's shard under tensor parallelism) and the other ranks;
-        sets its names, quantization, config, context length and weight count."""
-        source = resolve_model(config.model, config.served_model_name)
+        sets its names, config, context length and weight count."""
         self.model_name = source.name
         self.tokenizer_dir = str(tokenizer_dir(source, config.tokenizer))
-        self.quantization = resolve_quantization(config.quantization, source, self.dtype,
-                                                 self.device, config.tensor_parallel_size)
         model, self.model_config, ranks = _load_model(config, source, self.dtype, self.device,
-                                                      self.quantization)
+                                                      self.quantization, self.numerics)
         self.max_model_len = _max_model_len(config, self.model_config)
         self.pooling_info: PoolingInfo = pooling_info(
             None if source.is_gguf else source.path, self.model_config.hidden_size,
@@ -284,7 +296,7 @@ class EngineCore:
         source = resolve_model(config.speculative_model)
         mode = resolve_quantization(config.quantization, source, self.dtype, self.device)
         draft, cfg = load_model(source, self.dtype, self.device, mode,
-                                config.quantization_numerics)
+                                resolve_numerics(config.quantization_numerics, mode))
         if cfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(
                 f"the speculative model's vocabulary ({cfg.vocab_size}) differs from the "
@@ -446,11 +458,10 @@ def _spec_config(config: EngineConfig, num_layers: int) -> SpecConfig | None:
 
 
 def _load_model(config: EngineConfig, source, dtype: torch.dtype, device: torch.device,
-                quantization: str):
+                quantization: str, numerics: str):
     """The model (rank 0's shard under tensor parallelism), its config, the other ranks."""
     if config.tensor_parallel_size == 1:
-        return (*load_model(source, dtype, device, quantization, config.quantization_numerics),
-                None)
+        return (*load_model(source, dtype, device, quantization, numerics), None)
     if not source.is_gguf and from_hf_config(source.path).num_labels is not None:
         raise ValueError("tensor_parallel_size: a cross-encoder (sequence classifier) is served "
                          "on one rank only")

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field, fields
 
 _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_KV_CACHE_DTYPES = ("auto", "float16", "half", "fp8_e4m3")
+_KV_CACHE_DTYPES = ("auto", "float32", "float16", "half", "fp8_e4m3")
 _PREEMPTION_MODES = ("auto", "swap", "recompute")
 _CPU_LINEARS = ("auto", "torch", "onednn", "dual")
 _SPECULATIVE_METHODS = ("ngram", "self", "draft")
 _QUANTIZATIONS = ("auto", "none", "gguf", "int8")
-_QUANT_NUMERICS = ("a32", "a8")
+_QUANT_NUMERICS = ("auto", "a32", "a8")
 POOLING_METHODS = ("last", "mean", "cls")  # embedding requests (ipc/pooling.py)
 
 
@@ -100,9 +100,11 @@ class EngineConfig:
         default=1, metadata={"help": "shortest n-gram the ngram proposer matches"}
     )
     kv_cache_dtype: str = field(
-        default="auto", metadata={"help": "KV cache storage; auto: the model dtype; float16 "
-                                          "(or half): 16 bits, widened to the model dtype on "
-                                          "read (llama.cpp's default; half a float32 cache); "
+        default="auto", metadata={"help": "KV cache storage; auto: float16 beside a8 "
+                                          "numerics, else the model dtype; float32 (a float32 "
+                                          "model's); float16 (or half): 16 bits, widened to the "
+                                          "model dtype on read (llama.cpp's default; half a "
+                                          "float32 cache); "
                                           "fp8_e4m3: 8 bits, upcast on read, scaled by the "
                                           "checkpoint's k/v scales (per tensor or per head) if "
                                           "it has them",
@@ -137,10 +139,12 @@ class EngineConfig:
                                   "choices": _QUANTIZATIONS}
     )
     quantization_numerics: str = field(
-        default="a32", metadata={"help": "quantized products: a32 (weights expanded to "
-                                         "float32, float32 FMA: the dequantized model's "
-                                         "result) or a8 (activations to int8 per 32 values, "
-                                         "integer dot products, prefill chunks included)",
+        default="auto", metadata={"help": "quantized products: a32 (weights expanded to "
+                                          "float32, float32 FMA: the dequantized model's "
+                                          "result, HF's tokens) or a8 (activations to int8 per "
+                                          "32 values, integer dot products, prefill chunks "
+                                          "included: llama.cpp's); auto: a8 for a GGUF kept "
+                                          "quantized (with a float16 KV cache), else a32",
                                  "choices": _QUANT_NUMERICS}
     )
     tensor_parallel_size: int = field(

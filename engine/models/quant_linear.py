@@ -20,10 +20,11 @@ count (1.4-3.0x torch's float32 GEMM from 64 to 2048 rows, where expanding and G
 VNNI, Q4_0/Q4_1/Q8_0 parts (and Q5_0/Q5_1/Q4_K/Q5_K/Q6_K: kernels/cpu/csrc/quant_kpacked.c) are
 repacked into 16-feature tiles (QuantWeight.pack), where a8
 is 2.5x a32 at one row (576 -> 3072 Q4_1, two threads: 0.020 against 0.049 ms) and 1.4-1.6x
-per decoded token on SmolLM2-135M (server ITL p50 4.4-5.5 against 7.4-7.7 ms). The default
-is still a32: it equals `--quantization none` (and HF) token for token, as every mode must;
-a8 (int8 activations in prefill too) agrees with HF for 11, 24, 2, 17, 12, 24, 24, 24 of 24
-tokens on the parity prompts (bench/RESULTS.md).
+per decoded token on SmolLM2-135M (server ITL p50 4.4-5.5 against 7.4-7.7 ms). a8 is the
+default for a GGUF (engine/models/numerics.py: its KL divergence from the dequantized model
+is no worse than llama.cpp's); a32 equals `--quantization none` (and HF) token for token, as
+every exact mode must; a8 (int8 activations in prefill too) agrees with HF for 11, 24, 2, 17,
+12, 24, 24, 24 of 24 tokens on the parity prompts (bench/RESULTS.md).
 """
 
 from __future__ import annotations

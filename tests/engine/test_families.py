@@ -191,7 +191,7 @@ def test_gguf_of_each_family_gives_the_safetensors_tokens(name, tmp_path, bundle
     from_st = LLM(model=str(hf_dir))
     st_tokens = run(from_st)
     check(from_st, st_tokens, _hf_generate(hf_dir), f"{name} safetensors")
-    from_gguf = LLM(model=str(path), tokenizer=str(hf_dir))
+    from_gguf = LLM(model=str(path), tokenizer=str(hf_dir), quantization_numerics="a32")
     assert from_gguf.engine.model_config.layer_windows == from_st.engine.model_config.layer_windows
     check(from_gguf, run(from_gguf), st_tokens, f"{name} GGUF")
 

@@ -33,6 +33,7 @@ K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
 
 
 def _run(path, tok_dir, **options):
+    options.setdefault("quantization_numerics", "a32")  # NOTE: the exact mode unless asked
     llm = LLM(str(path), tokenizer=str(tok_dir), max_model_len=256, num_gpu_blocks=64,
               **options)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
