@@ -18,8 +18,21 @@ def _pin_xdist_worker() -> None:
 
 _pin_xdist_worker()  # NOTE: before torch loads: libgomp reads the CPU mask when it loads
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
 import pytest  # noqa: E402
 from tiny_llama import build_tiny_llama  # noqa: E402
+
+
+@pytest.fixture
+def short_tmp_dir() -> Iterator[Path]:
+    """A fresh directory under /tmp for socket files: pytest's tmp_path (longer under xdist's
+    popen-gwN/) can leave a Unix socket's 107-byte path no room (ipc.transport.IPC_PATH_MAX)."""
+    path = Path(tempfile.mkdtemp(prefix="ps-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -57,7 +55,8 @@ async def _round_trip(gw: transport.GatewaySockets, incarnation: str) -> None:
         eng.close(linger_ms=0)
 
 
-async def test_round_trip_over_ipc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_round_trip_over_ipc(short_tmp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path = short_tmp_dir
     monkeypatch.setenv("PAGEDSERVE_RUNTIME_DIR", str(tmp_path))
     in_addr, out_addr = transport.default_addresses()
     assert in_addr.startswith(f"ipc://{tmp_path}/") and out_addr != in_addr
@@ -106,8 +105,9 @@ def test_runtime_dir_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert (tmp_path / "x").is_dir()
 
 
-def test_socket_files_of_a_gone_gateway_are_removed(tmp_path: Path,
+def test_socket_files_of_a_gone_gateway_are_removed(short_tmp_dir: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path = short_tmp_dir
     monkeypatch.setenv("PAGEDSERVE_RUNTIME_DIR", str(tmp_path))
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -129,28 +129,23 @@ def _dir_of_length(base: Path, length: int) -> Path:
 
 
 async def test_the_runtime_dir_is_refused_where_its_socket_paths_would_not_fit(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        short_tmp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The longest path default_addresses makes still binds (ZeroMQ is the judge) in the
     longest directory the check accepts; one byte more is a ValueError naming the variable."""
-    base = Path(tempfile.mkdtemp(prefix="ps-", dir="/tmp"))
+    fits = _dir_of_length(short_tmp_dir, transport.IPC_PATH_MAX - transport._LONGEST_NAME)
+    monkeypatch.setenv("PAGEDSERVE_RUNTIME_DIR", str(fits))
+    assert transport.check_runtime_dir() == fits
+    longest = f"ipc://{fits}/engine-4194304-0123456789ab-out.sock"
+    transport.GatewaySockets(longest.replace("out.sock", "in.sock"), longest).close()
+    over = _dir_of_length(short_tmp_dir, transport.IPC_PATH_MAX - transport._LONGEST_NAME + 1)
+    monkeypatch.setenv("PAGEDSERVE_RUNTIME_DIR", str(over))
+    with pytest.raises(ValueError, match="set PAGEDSERVE_RUNTIME_DIR to a shorter"):
+        transport.default_addresses()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
     try:
-        fits = _dir_of_length(base, transport.IPC_PATH_MAX - transport._LONGEST_NAME)
-        monkeypatch.setenv("PAGEDSERVE_RUNTIME_DIR", str(fits))
-        assert transport.check_runtime_dir() == fits
-        longest = f"ipc://{fits}/engine-4194304-0123456789ab-out.sock"
-        gw = transport.GatewaySockets(longest.replace("out.sock", "in.sock"), longest)
-        gw.close()
-        over = _dir_of_length(base, transport.IPC_PATH_MAX - transport._LONGEST_NAME + 1)
-        monkeypatch.setenv("PAGEDSERVE_RUNTIME_DIR", str(over))
-        with pytest.raises(ValueError, match="set PAGEDSERVE_RUNTIME_DIR to a shorter"):
-            transport.default_addresses()
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.PULL)
-        try:
-            with pytest.raises(zmq.ZMQError):  # NOTE: what the check saves the gateway from
-                sock.bind(f"ipc://{over}/engine-4194304-0123456789ab-out.sock")
-        finally:
-            sock.close(linger=0)
-            ctx.term()
+        with pytest.raises(zmq.ZMQError):  # NOTE: what the check saves the gateway from
+            sock.bind(f"ipc://{over}/engine-4194304-0123456789ab-out.sock")
     finally:
-        shutil.rmtree(base)
+        sock.close(linger=0)
+        ctx.term()

@@ -12,11 +12,9 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -381,15 +379,6 @@ def test_serve_help_says_each_default_once() -> None:
     assert "(default: 4194304)" in out and "(default: 128)" in out
 
 
-@pytest.fixture
-def short_runtime_dir() -> Iterator[Path]:
-    """A runtime directory under /tmp: pytest's tmp_path (longer under xdist's popen-gwN/) can
-    leave the socket paths no room (the next test)."""
-    path = Path(tempfile.mkdtemp(prefix="ps-run-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def test_a_runtime_dir_too_long_for_socket_paths_is_a_config_error(tmp_path: Path) -> None:
     from tiny_server import ROOT, free_port, serve_argv
 
@@ -401,12 +390,12 @@ def test_a_runtime_dir_too_long_for_socket_paths_is_a_config_error(tmp_path: Pat
 
 
 def test_a_killed_gateways_socket_files_are_removed_at_the_next_start(
-        tmp_path: Path, short_runtime_dir: Path) -> None:
-    env = {"PAGEDSERVE_RUNTIME_DIR": str(short_runtime_dir)}
+        tmp_path: Path, short_tmp_dir: Path) -> None:
+    env = {"PAGEDSERVE_RUNTIME_DIR": str(short_tmp_dir)}
     first = Server(tmp_path, env=env)
     try:
         first.wait_ready()
-        left = sorted(short_runtime_dir.glob("*.sock"))
+        left = sorted(short_tmp_dir.glob("*.sock"))
         assert len(left) == 2 and all(f"engine-{first.proc.pid}-" in p.name for p in left)
     finally:
         first.kill()  # NOTE: SIGKILL: nothing cleans up
@@ -414,7 +403,7 @@ def test_a_killed_gateways_socket_files_are_removed_at_the_next_start(
     second = Server(tmp_path, env=env)
     try:
         second.wait_ready()
-        now = sorted(short_runtime_dir.glob("*.sock"))
+        now = sorted(short_tmp_dir.glob("*.sock"))
         assert len(now) == 2 and all(f"engine-{second.proc.pid}-" in p.name for p in now)
     finally:
         second.stop()
