@@ -5,12 +5,12 @@
                                 [--rounds 3] [--prompt-len 128] [--output-len 128] [--rows 1]
                                 [--llama-bench auto|none|PATH] [--threads 2]
 
-A mode is a numerics (a32, a8), "-f16kv" for a float16 KV cache (else float32), and "-raw" to load the file
-with the packed tiles of kernels/cpu/csrc/quant_kpacked.c turned off (the raw-block kernels of
-quant_packed.c, as before issue 31), so one run shows both. Each round runs `--rows` greedy
-requests (`ignore_eos`) per mode, the modes in turn; the figure is the median decode step
-(`engine.step()`, the prefill step left out) over the rounds. llama-bench (bench/llama_cpp.py's
-build) runs `-p 0 -n OUTPUT_LEN -t THREADS -r ROUNDS` on the same file.
+A mode is a numerics (a32, a8), "-f16kv" for a float16 KV cache (else float32), and "-raw" to
+load the file with the packed tiles of kernels/cpu/csrc/quant_kpacked.c turned off (the
+raw-block kernels of quant_packed.c, as before issue 31), so one run shows both. Each round
+runs `--rows` greedy requests (`ignore_eos`) per mode, the modes in turn; the figure is the
+median decode step (`engine.step()`, the prefill step left out) over the rounds. llama-bench
+(bench/llama_cpp.py's build) runs `-p 0 -n OUTPUT_LEN -t THREADS -r ROUNDS` on the same file.
 """
 
 from __future__ import annotations
