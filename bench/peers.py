@@ -128,7 +128,10 @@ def server_command(kind: str, model: str, port: int, args: argparse.Namespace) -
                 "--n_ctx", str(args.n_ctx), "--interrupt_requests", "False"]
     # NOTE: a "-f16kv" kind is the same server over a float16 KV cache (llama.cpp's default)
     base, f16kv = kind.removesuffix(F16KV), kind.endswith(F16KV)
+    # NOTE: "quantized" is the defaults: a8 and a float16 KV cache since 2026-12-03
+    # (engine/models/numerics.py); a32 was the default before, now "quantized-a32"
     quant = {"quantized": ["--quantization", "gguf"],
+             "quantized-a32": ["--quantization", "gguf", "--quantization-numerics", "a32"],
              "quantized-a8": ["--quantization", "gguf", "--quantization-numerics", "a8"],
              "float32": ["--quantization", "none"]}[base]
     if f16kv:
@@ -259,9 +262,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=".gguf file (default: the bundled model)")
     p.add_argument("--servers", default="quantized,float32,llama.cpp",
-                   help="comma list of quantized, quantized-a8, float32, llama.cpp "
-                        "(llama-cpp-python), llama-server (llama.cpp's C++ server); a "
-                        "pagedserve kind + \"-f16kv\": over a float16 KV cache")
+                   help="comma list of quantized (the defaults: a8 numerics, float16 KV), "
+                        "quantized-a32 (the exact numerics, float32 KV), quantized-a8, "
+                        "float32, llama.cpp (llama-cpp-python), llama-server (llama.cpp's "
+                        "C++ server); a pagedserve kind + \"-f16kv\": over a float16 KV cache")
     p.add_argument("--url", action="append", default=[],
                    help="NAME=URL of a server already running (not started, no RSS)")
     p.add_argument("--llama-cpp-python", default="/work/peers-venv/bin/python",

@@ -79,6 +79,9 @@ def test_f16kv_kinds_are_their_server_over_a_float16_cache() -> None:
     f16 = peers.server_command("quantized-a8-f16kv", "m.gguf", 1, args)
     assert f16 == plain + ["--kv-cache-dtype", "float16"]
     assert "--kv-cache-dtype" not in peers.server_command("float32", "m.gguf", 1, args)
+    exact = peers.server_command("quantized-a32", "m.gguf", 1, args)
+    assert exact[exact.index("--quantization-numerics") + 1] == "a32"
+    assert "--quantization-numerics" not in peers.server_command("quantized", "m.gguf", 1, args)
 
 
 def _server_args(**over: object) -> argparse.Namespace:
