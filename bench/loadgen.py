@@ -96,18 +96,29 @@ async def send_one(session: aiohttp.ClientSession, target: Target, prompt: str,
     path = "/v1/chat/completions" if target.api == "chat" else "/v1/completions"
     rec = RequestRecord()
     start = time.perf_counter()
+    answered = False
     try:
         # NOTE: target.timeout bounds the connect and each wait for bytes, not the whole
         # stream (as httpx's timeout did)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=target.timeout,
                                         sock_read=target.timeout)
-        async with session.post(target.base_url + path, timeout=timeout,
-                                json=request_body(target, prompt, spec)) as resp:
-            if resp.status != 200:
-                await resp.read()
-                rec.error = f"http_{resp.status}"
-                return rec
-            await _read_stream(resp, rec, start)
+        for attempt in range(2):
+            try:
+                async with session.post(target.base_url + path, timeout=timeout,
+                                        json=request_body(target, prompt, spec)) as resp:
+                    answered = True
+                    if resp.status != 200:
+                        await resp.read()
+                        rec.error = f"http_{resp.status}"
+                        return rec
+                    await _read_stream(resp, rec, start)
+                break
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # NOTE: a pooled connection the server had closed (llama-server closes each
+                # after a stream without saying so): sent again once on a new one, as the
+                # openai SDK's retries do; the time lost stays in this request's TTFT
+                if answered or attempt or isinstance(exc, aiohttp.ClientConnectorError):
+                    raise
     except TimeoutError:
         rec.error = "timeout"
     except aiohttp.ClientConnectorError:

@@ -102,3 +102,36 @@ def test_a_refused_connection_and_a_silent_server_are_recorded_not_raised() -> N
             assert not rec.ok and rec.error == "timeout"
 
     run_client(body())
+
+
+_SSE = (b'data: {"choices": [{"index": 0, "text": "t"}]}\n\n'
+        b'data: {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}\n\n'
+        b"data: [DONE]\n\n")
+
+
+async def _one_reply_per_connection(reader: asyncio.StreamReader,
+                                    writer: asyncio.StreamWriter) -> None:
+    """Answers the first request on a connection as keep-alive, then closes the connection
+    when the next request's head arrives, unanswered (what llama-server does after a stream)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    await reader.readexactly(length)
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: "
+                 + str(len(_SSE)).encode() + b"\r\n\r\n" + _SSE)
+    await writer.drain()
+    await reader.read(1)
+    writer.close()
+
+
+def test_a_pooled_connection_the_server_closed_is_sent_again_once() -> None:
+    async def body() -> None:
+        server = await asyncio.start_server(_one_reply_per_connection, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, client_session() as session:
+            target = Target(f"http://127.0.0.1:{port}", "m", "completions", timeout=10)
+            recs = [await send_one(session, target, "x", RequestSpec(1, 1)) for _ in range(4)]
+            assert [r.error for r in recs] == [None] * 4
+            assert all(r.output_tokens == 1 for r in recs)
+
+    run_client(body())
