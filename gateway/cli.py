@@ -213,7 +213,7 @@ def check_args(ns: argparse.Namespace) -> EngineConfig:
                          "engines would share one --master-port")
     if ns.attach_engine and not (ns.engine_input_addr and ns.engine_output_addr):
         raise ValueError("--attach-engine needs --engine-input-addr and --engine-output-addr")
-    if not (ns.engine_input_addr and ns.engine_output_addr):
+    if not ns.headless and not (ns.engine_input_addr and ns.engine_output_addr):
         check_runtime_dir()  # NOTE: the default ipc:// addresses must fit a socket's path
     if ns.chat_template is not None and not Path(ns.chat_template).is_file():
         raise ValueError(f"--chat-template {ns.chat_template!r} is not a file")
