@@ -63,7 +63,8 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
-        source = self._resolve_numerics(config)
+        source = resolve_model(config.model, config.served_model_name)
+        self._resolve_numerics(config, source)
         backend = self._attention_backend(config)
         model, ranks = self._build_model(config, source)
         # NOTE: from the memory the target model leaves (on CUDA), before the draft loads
@@ -95,10 +96,9 @@ class EngineCore:
 
     # ---- build stages --------------------------------------------------------------------------
 
-    def _resolve_numerics(self, config: EngineConfig) -> ModelSource:
-        """The model's source, and the concrete quantization, numerics and KV dtype (every
-        auto resolved: engine/models/numerics.py), logged; returns the source."""
-        source = resolve_model(config.model, config.served_model_name)
+    def _resolve_numerics(self, config: EngineConfig, source: ModelSource) -> None:
+        """The concrete quantization, numerics and KV dtype (every auto resolved:
+        engine/models/numerics.py), logged."""
         self.quantization = resolve_quantization(config.quantization, source, self.dtype,
                                                  self.device, config.tensor_parallel_size)
         self.numerics = resolve_numerics(config.quantization_numerics, self.quantization)
@@ -106,7 +106,6 @@ class EngineCore:
         log.info("numerics: quantization %s, products %s, KV cache %s", self.quantization,
                  self.numerics if self.quantization != "none" else "dense",
                  str(self.kv_dtype).removeprefix("torch."))
-        return source
 
     def _attention_backend(self, config: EngineConfig) -> Backend:
         """The backend that runs (auto resolved here), checked before any model loads."""

@@ -33,9 +33,11 @@ class SocketPump:
         self.sockets: GatewaySockets | None = None
 
     def open(self) -> GatewaySockets:
-        given = self._addrs
-        defaults = default_addresses() if None in given else given
-        self.sockets = GatewaySockets(given[0] or defaults[0], given[1] or defaults[1])
+        input_addr, output_addr = self._addrs
+        if input_addr is None or output_addr is None:
+            fresh = default_addresses()
+            input_addr, output_addr = input_addr or fresh[0], output_addr or fresh[1]
+        self.sockets = GatewaySockets(input_addr, output_addr)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._handshakes()), loop.create_task(self._outputs())]
         for task in self._tasks:
