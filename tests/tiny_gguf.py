@@ -26,8 +26,10 @@ _GEMMA = {"post_attention_layernorm": "post_attention_norm",
           "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def write_gguf(model_dir: Path, out: Path, arch: str, dtype: str = "float32") -> Path:
-    """The checkpoint in model_dir as GGUF `arch`; dtype float16 stores the matrices in F16."""
+def write_gguf(model_dir: Path, out: Path, arch: str, dtype: str = "float32",
+               rope_freqs: bool = True) -> Path:
+    """The checkpoint in model_dir as GGUF `arch`; dtype float16 stores the matrices in F16;
+    rope_freqs False leaves out Llama 3's frequency factors (a file that lost its scaling)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -52,6 +54,8 @@ def write_gguf(model_dir: Path, out: Path, arch: str, dtype: str = "float32") ->
     if rope.get("rope_type") == "longrope":
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+    if rope.get("rope_type") == "llama3" and rope_freqs:
+        writer.add_tensor("rope_freqs.weight", llama3_factors(cfg, rope))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -107,6 +111,25 @@ def _metadata(w, cfg: dict, arch: str) -> None:
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     if "layer_types" in cfg and arch.startswith("gemma"):
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+
+
+def llama3_factors(cfg: dict, rope: dict) -> np.ndarray:
+    """What llama.cpp's converter writes for llama3 scaling (LlamaModel.generate_extra_tensors):
+    one factor per rotary pair, by which llama.cpp divides the pair's frequency."""
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / rope.get("rope_theta", 10000.0) ** (np.arange(0, dim, 2) / dim)
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for wavelen in 2 * np.pi / freqs:
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
 
 
 def gguf_scaling(kind: str):

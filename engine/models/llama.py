@@ -80,9 +80,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies with the config's theta and scaling (default, linear, llama3,
-    longrope's short factor), and the factor cos and sin are scaled by. local: Gemma 3's
-    windowed layers (their own base, no scaling)."""
+    """Inverse frequencies with the config's theta and scaling (default, linear, llama3, a
+    GGUF's per-pair factors, longrope's short factor), and the factor cos and sin are scaled
+    by. local: Gemma 3's windowed layers (their own base, no scaling)."""
     dim = cfg.head_dim
     theta = cfg.local_rope_theta if local else cfg.rope_theta
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
@@ -95,6 +95,12 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> tuple[torch.Tensor, 
         return inv_freq / scaling["factor"], 1.0
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if kind == "freq_factors":  # NOTE: a GGUF's rope_freqs tensor (loader.py)
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors; the head dim "
+                             f"{dim} has {inv_freq.numel()} rotary pairs")
+        return inv_freq / factors, 1.0
     if kind == "longrope":  # NOTE: the short factor: config.py caps the context to match
         short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
         return 1.0 / (short * theta**exponents), float(scaling["attention_factor"])

@@ -159,8 +159,8 @@ def _gguf_quantized(source: ModelSource, dtype: torch.dtype, device: torch.devic
     quant: dict[str, QuantWeight] = {}
     floats: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        if t.name.startswith("rope_factors_"):
-            continue  # in the config (Phi-3's longrope)
+        if _is_rope_factors(t.name):
+            continue  # in the config (Phi-3's longrope, Llama 3's frequency factors)
         name = gguf_to_hf_name(t.name, cfg.architecture)
         rope_heads = _rope_heads(cfg, name)
         if int(t.tensor_type) in cpu_quant.BLOCKS and t.data.ndim == 2:
@@ -304,10 +304,19 @@ def _gguf_window_pattern(value, arch: str):
     return lambda i: (i + 1) % period != 0
 
 
+def _is_rope_factors(name: str) -> bool:
+    return name.startswith("rope_factors_") or name == "rope_freqs.weight"
+
+
 def _gguf_rope_scaling(reader, arch: str) -> dict | None:
     kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind == "linear":
         return {"rope_type": "linear", "factor": _field(reader, f"{arch}.rope.scaling.factor")}
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        # NOTE: Llama 3.x: llama.cpp's converter bakes the llama3 scaling into one factor per
+        # rotary pair (the pair's frequency is divided by it); the config keys are dropped
+        return {"rope_type": "freq_factors", "factors": [float(x) for x in freqs.data]}
     short = next((t for t in reader.tensors if t.name == "rope_factors_short.weight"), None)
     if short is None:
         return None
@@ -356,8 +365,8 @@ def _gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]
     from gguf.quants import dequantize
 
     for t in reader.tensors:
-        if t.name.startswith("rope_factors_"):
-            continue  # in the config (Phi-3's longrope)
+        if _is_rope_factors(t.name):
+            continue  # in the config (Phi-3's longrope, Llama 3's frequency factors)
         array = dequantize(t.data, t.tensor_type)
         tensor = torch.from_numpy(array.copy()).float()
         name = gguf_to_hf_name(t.name, cfg.architecture)
