@@ -11,13 +11,33 @@ against GGUFReader field by field and tensor by tensor.
 
 from __future__ import annotations
 
+import enum
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+# NOTE: ggml's tensor types, as the `gguf` package's GGMLQuantizationType and GGML_QUANT_SIZES
+# have them (tests/engine/test_gguf_file.py keeps the two equal): reading a file imports no
+# `gguf`, whose __init__ imports gguf.vocab, which imports mistral_common and sentencepiece
+# where they are installed: 0.49 s in process (`LLM`) beside the test extra, 0.04-0.1 s in
+# an engine process, which marks mistral_common absent (engine/__main__.py) (2026-12-03).
+_TYPES = {  # id: (name, values per block, bytes per block)
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
+}
+GGMLType = enum.IntEnum("GGMLType", {name: i for i, (name, _, _) in _TYPES.items()})
+BLOCK_SIZES = {GGMLType(i): (elems, size) for i, (_, elems, size) in _TYPES.items()}
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -28,16 +48,15 @@ _STRING, _ARRAY = 8, 9
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 # tensor types GGUFReader gives their own numpy dtype; every other type is uint8 bytes
-_PLAIN = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
-          GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
-          GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
-          GGMLQuantizationType.I64: np.int64}
+_PLAIN = {GGMLType.F16: np.float16, GGMLType.F32: np.float32, GGMLType.F64: np.float64,
+          GGMLType.I8: np.int8, GGMLType.I16: np.int16, GGMLType.I32: np.int32,
+          GGMLType.I64: np.int64}
 
 
 @dataclass
 class GGUFTensor:
     name: str
-    tensor_type: GGMLQuantizationType
+    tensor_type: GGMLType
     shape: tuple[int, ...]  # ggml order: shape[0] is the innermost (row) length
     data: np.ndarray  # numpy order (reversed shape); block types: [..., bytes per row] uint8
 
@@ -110,13 +129,15 @@ class GGUFFile:
         return name, dims, self._unpack("<I"), self._unpack("<Q")
 
     def _tensor(self, name: str, dims: tuple[int, ...], kind: int, offset: int) -> GGUFTensor:
-        tensor_type = GGMLQuantizationType(kind)
+        if kind not in _TYPES:
+            raise ValueError(f"{self.path}: tensor {name} has the unknown ggml type {kind}")
+        tensor_type = GGMLType(kind)
         shape = tuple(reversed(dims))
         n = int(np.prod(dims))
         if tensor_type in _PLAIN:
             data = np.frombuffer(self._map, _PLAIN[tensor_type], n, offset).reshape(shape)
         else:
-            block, size = GGML_QUANT_SIZES[tensor_type]
+            block, size = BLOCK_SIZES[tensor_type]
             if dims[0] % block:
                 raise ValueError(f"{self.path}: tensor {name} rows of {dims[0]} values are "
                                  f"not whole {tensor_type.name} blocks of {block}")

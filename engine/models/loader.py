@@ -12,11 +12,13 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.allocator import release_freed_heap
 from engine.models.config import ModelConfig, from_hf_config, longrope_context
 from engine.models.gemma import GemmaForCausalLM
+from engine.models.gguf_file import GGMLType, GGUFTensor
 from engine.models.llama import LlamaForCausalLM
 from ipc.model_source import ModelSource
 
@@ -146,16 +148,11 @@ def _gguf_quantized(source: ModelSource, dtype: torch.dtype, device: torch.devic
                     numerics: str) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model with its GGUF's linear and embedding weights kept in their blocks; tensors of
     types without a kernel are dequantized (one log line each), norms are float32 already."""
-    import numpy as np
-    from gguf.constants import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     from engine.models.quant_linear import QuantWeight, install_quantized
     from kernels.cpu import quant as cpu_quant
 
     reader = _open_gguf(source.path)
     cfg = gguf_config(reader)
-    plain = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
     quant: dict[str, QuantWeight] = {}
     floats: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -178,10 +175,10 @@ def _gguf_quantized(source: ModelSource, dtype: torch.dtype, device: torch.devic
                 w = w.permute_rows(_rope_row_order(w.rows, rope_heads))
             quant[name] = w
             continue
-        if t.tensor_type not in plain:
+        if t.tensor_type not in _FLOATS:
             log.info("%s: %s has no quantized kernel; dequantized to float32 at load",
                      t.name, t.tensor_type.name)
-        tensor = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+        tensor = torch.from_numpy(_dequantize(t)).float()
         if rope_heads:
             tensor = _unpermute_rope(tensor, rope_heads)
         if cfg.norm_offset and name.endswith("norm.weight"):
@@ -361,14 +358,27 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
     return f"{_GGUF_NAMES[base]}.{kind}"
 
 
-def _gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+_FLOATS = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+
+
+def _dequantize(t: GGUFTensor) -> np.ndarray:
+    """A tensor's values as a new float array (the file's view is read-only): numpy for the
+    float types, the `gguf` package's dequantize (imported only then) for blocks."""
+    if t.tensor_type in (GGMLType.F32, GGMLType.F16):
+        return t.data.astype(np.float32)
+    if t.tensor_type == GGMLType.BF16:  # NOTE: uint8 rows of bytes; a value is a float32's top half
+        bits = t.data.view(np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32)
     from gguf.quants import dequantize
 
+    return dequantize(t.data, t.tensor_type).copy()
+
+
+def _gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     for t in reader.tensors:
         if _is_rope_factors(t.name):
             continue  # in the config (Phi-3's longrope, Llama 3's frequency factors)
-        array = dequantize(t.data, t.tensor_type)
-        tensor = torch.from_numpy(array.copy()).float()
+        tensor = torch.from_numpy(_dequantize(t)).float()
         name = gguf_to_hf_name(t.name, cfg.architecture)
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
