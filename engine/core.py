@@ -31,7 +31,7 @@ from engine.sched.scheduler import Scheduler, SchedulerConfig, SpecConfig
 from engine.sched.structured.compiler import GrammarCompiler
 from engine.step_plan import choice_key
 from engine.tokenizer import tokenizer_dir
-from ipc.config import EngineConfig, step_token_budget
+from ipc.config import EngineConfig, prefill_tokens_while_decoding, step_token_budget
 from ipc.limits import Limits, check_limits, check_pooling_input
 from ipc.messages import AddRequest, EngineStats, TokenDelta
 from ipc.model_source import ModelSource, resolve_model
@@ -174,7 +174,8 @@ class EngineCore:
             SchedulerConfig(config.max_num_seqs, step_tokens, self.max_model_len,
                             _spec_config(config, self.model_config.num_layers),
                             self.model_config.vocab_size,
-                            config.max_loras if config.enable_lora else None),
+                            config.max_loras if config.enable_lora else None,
+                            prefill_tokens_while_decoding(config, self.device.type)),
             self.kv,
             self.eos_token_ids,
             preemption,

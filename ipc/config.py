@@ -59,6 +59,11 @@ class EngineConfig:
         default=None, metadata={"help": "token budget of one engine step (chunked prefill); "
                                 "default 512 on the CPU (llama.cpp's batch), 2048 on a GPU"}
     )
+    max_prefill_tokens_while_decoding: int | None = field(
+        default=None, metadata={"help": "most tokens of one prompt a step computes while other "
+                                "requests decode (they wait for the step); default 128 on the "
+                                "CPU, unlimited on a GPU; 0: unlimited (the step budget only)"}
+    )
     enable_prefix_caching: bool = field(
         default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"}
     )
@@ -208,6 +213,8 @@ class EngineConfig:
         self._check_nodes()
         _positive_or_none(self, "num_gpu_blocks", "max_model_len", "num_threads",
                           "max_num_batched_tokens")
+        if (self.max_prefill_tokens_while_decoding or 0) < 0:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_space <= 0:
@@ -350,6 +357,21 @@ def _base_type(annotation: object) -> type:
 # (float32), 340 against 358 (a32, one run each).
 STEP_TOKENS = {"cpu": 512}
 DEFAULT_STEP_TOKENS = 2048
+
+
+# NOTE: python -m bench.long_prefill, bundled model, AVX2-only 2-core EPYC: 8 streams decoding
+# while a 4096-token prompt arrives: their ITL p99 while it prefills is 2779 ms in 512-token
+# chunks (46.5 ms alone), 1040 ms with 128-token chunks, which make that prompt's first token
+# come 1.5x later (16.2 -> 24.2 s); a lone prompt keeps the whole budget (bench/RESULTS.md).
+PREFILL_WHILE_DECODING = {"cpu": 128}
+
+
+def prefill_tokens_while_decoding(cfg: EngineConfig, device_type: str) -> int | None:
+    """max_prefill_tokens_while_decoding resolved: its default for the device; None: no cap."""
+    value = cfg.max_prefill_tokens_while_decoding
+    if value is None:
+        return PREFILL_WHILE_DECODING.get(device_type)
+    return value or None
 
 
 def step_token_budget(cfg: EngineConfig, device_type: str) -> int:

@@ -45,6 +45,9 @@ class SchedulerConfig:
     spec: SpecConfig | None = None
     vocab_size: int | None = None  # the logits' width: grammar masks need it
     max_loras: int | None = None  # distinct LoRA adapters running at once (None: LoRA off)
+    # NOTE: the most tokens of one prompt a step takes while other requests decode (None: the
+    # budget's): their next tokens wait for the whole step (ipc/config.py)
+    prefill_while_decoding: int | None = None
 
 
 class Scheduler:
@@ -71,6 +74,7 @@ class Scheduler:
         self._by_key: dict[str, Request] = {}  # every live choice by its key
         self._mirror = RunnerMirror(kv)
         self._step = 0
+        self._chunk = config.max_num_batched_tokens  # this step's, set by schedule()
 
     # ---- queue ---------------------------------------------------------------------------
 
@@ -152,6 +156,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self._step += 1
         plan = StepPlan(self._step)
+        self._chunk = self._prefill_chunk()
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
         if not plan.preempted_keys:
             budget = self._swap_in(plan, budget)
@@ -171,15 +176,24 @@ class Scheduler:
         drafting = [self._by_key[r.key] for r in plan.sampling if r.key in plan.self_drafts]
         plan.grammar_masks.update(self.grammars.masks(drafting, plan.spec_token_ids))
 
+    def _prefill_chunk(self) -> int:
+        """The most tokens of one prompt this step: the cap while a running request decodes
+        (it has one token left to compute, or none: a beam waiting for its siblings)."""
+        cap = self.config.prefill_while_decoding
+        if cap is not None and any(r.num_tokens - r.num_computed_tokens <= 1
+                                   for r in self.running):
+            return cap
+        return self.config.max_num_batched_tokens
+
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk)
             if n == 0:  # a beam waiting for its siblings to catch up
                 i += 1
                 continue
-            if n == 1 and budget > 1:
+            if n == 1 and budget > 1 and req.num_tokens - req.num_computed_tokens == 1:
                 n += self._plan_drafts(req, budget - 1, plan)
             if not self._allocate_or_preempt(req, n, plan):
                 plan.self_drafts.pop(req.key, None)
@@ -215,7 +229,7 @@ class Scheduler:
             req = self.swapped[0]
             if not lora_fits(req, self.running, self.config.max_loras):
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk)
             blocks = len(held(self.kv.cpu_block_ids(req.key)))
             if self.kv.blocks_to_swap_in(req, n) > self.kv.num_free_blocks:
                 break
@@ -243,7 +257,7 @@ class Scheduler:
             pools = req.sampling.pooling is not None
             cached = [] if wants_prompt or pools else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
-            n = min(req.num_tokens - num_cached, budget)
+            n = min(req.num_tokens - num_cached, budget, self._chunk)
             if not self.kv.allocate_slots(req, n, cached):
                 break
             heapq.heappop(self._waiting)

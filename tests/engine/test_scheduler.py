@@ -32,10 +32,12 @@ TOKEN = 7  # what the fake runner samples unless told otherwise
 
 
 def make(num_blocks: int, budget: int, *, mode: str = "swap", cpu_blocks: int = 8,
-         max_num_seqs: int = 4, prefix_caching: bool = False) -> Scheduler:
+         max_num_seqs: int = 4, prefix_caching: bool = False,
+         prefill_while_decoding: int | None = None) -> Scheduler:
     kv = KVCacheManager(num_blocks, 4, prefix_caching, cpu_blocks)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, 64), kv, [EOS],
-                     PreemptionCost(1, 1.0, "cpu", mode))
+    config = SchedulerConfig(max_num_seqs, budget, 64,
+                             prefill_while_decoding=prefill_while_decoding)
+    return Scheduler(config, kv, [EOS], PreemptionCost(1, 1.0, "cpu", mode))
 
 
 def request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
@@ -128,6 +130,27 @@ def test_the_budget_caps_a_step_and_the_rest_waits():
         s.add(request(rid, 5, max_tokens=4))
     assert counts(run.step(s)[0]) == [("a", 5), ("b", 3)]  # b's prompt is split
     assert counts(run.step(s)[0]) == [("a", 1), ("b", 2), ("c", 5)]
+
+
+def test_a_long_prompt_takes_small_chunks_only_while_others_decode():
+    """prefill_while_decoding caps each prompt's chunk in the steps where another request
+    decodes (whose next token waits for the step); alone, a prompt takes the whole budget."""
+    s, run = make(num_blocks=32, budget=16, prefill_while_decoding=3), FakeRunner()
+    s.add(request("long", 20, max_tokens=1))
+    assert counts(run.step(s)[0]) == [("long", 16)]  # nothing decodes: the budget
+    run.step(s)
+    s.add(request("a", 2, max_tokens=4))
+    assert counts(run.step(s)[0]) == [("a", 2)]
+    s.add(request("b", 9, max_tokens=1))
+    s.add(request("c", 2, max_tokens=1))
+    steps = [counts(run.step(s)[0]) for _ in range(4)]
+    assert steps == [
+        [("a", 1), ("b", 3), ("c", 2)],  # each prompt capped at 3 while a decodes
+        [("a", 1), ("b", 3)],  # c's whole prompt ran: it sampled its one token and ended
+        [("a", 1), ("b", 3)],  # b's last chunk: it samples and ends; a finishes too
+        [],
+    ]
+    assert not s.has_unfinished()
 
 
 def test_max_num_seqs_holds_admission():
