@@ -11,6 +11,10 @@ raw-block kernels of quant_packed.c, as before issue 31), so one run shows both.
 runs `--rows` greedy requests (`ignore_eos`) per mode, the modes in turn; the figure is the
 median decode step (`engine.step()`, the prefill step left out) over the rounds. llama-bench
 (bench/llama_cpp.py's build) runs `-p 0 -n OUTPUT_LEN -t THREADS -r ROUNDS` on the same file.
+
+The floor: the file's weight bytes that one decode step reads (every matrix; the embedding
+table once, as the output layer where it is tied, else one row of it), at the memory read rate
+measured in the same run (the best of a few sums over 1 GiB with THREADS threads).
 """
 
 from __future__ import annotations
@@ -56,6 +60,29 @@ def load(model: str, mode: str) -> object:
                    kv_cache_space=0.25, kv_cache_dtype=kv)
     finally:
         cpu_kquant.packs = packs
+
+
+def weight_bytes(model: str) -> int:
+    """The bytes of the file's tensors that one decode step reads."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(model).tensors}
+    tied = "output.weight" not in tensors
+    return sum(n for name, n in tensors.items() if name != "token_embd.weight" or tied)
+
+
+def read_rate(threads: int, tries: int = 5) -> float:
+    """Memory read bytes/s: the best of `tries` sums over a 1 GiB float32 tensor."""
+    import torch
+
+    torch.set_num_threads(threads)
+    big = torch.ones(2**28)
+    best = float("inf")
+    for _ in range(tries + 1):
+        t0 = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - t0)
+    return big.numel() * 4 / best
 
 
 def llama_bench(binary: str, model: str, n: int, threads: int, rounds: int) -> dict:
@@ -104,6 +131,12 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"model": args.model, "rows": args.rows, "threads": args.threads,
               "ms_per_step": {m: 1e3 * statistics.median(v) for m, v in steps.items()},
               "rounds_ms": {m: [round(1e3 * t, 2) for t in v] for m, v in steps.items()}}
+    read = read_rate(args.threads)
+    nbytes = weight_bytes(args.model)
+    result["floor"] = {"weight_bytes": nbytes, "read_GB_s": read / 1e9,
+                       "ms_per_token": 1e3 * nbytes / read,
+                       "x_floor": {m: v / (1e3 * nbytes / read)
+                                   for m, v in result["ms_per_step"].items()}}
     binary = args.llama_bench
     if binary == "auto":
         from bench import llama_cpp
