@@ -107,6 +107,18 @@ def _quant_llm(q4_1_gguf, tokenizer_dir, adapters, numerics: str = "a32"):
 
 def test_quantized_base_matches_peft_on_dequantized_weights(tiny_model_dir, adapters, q4_1_gguf,
                                                             tmp_path, bundled_tokenizer_dir):
+    """On every CPU: the per-layer path's products (raw-block kernels where nothing packs),
+    or the one-call stack's where AVX-512 VNNI packs the layers (the next test)."""
+    reference = dequantized_copy(tiny_model_dir, tmp_path / "dequantized", "Q4_1")
+    llm = _quant_llm(q4_1_gguf, bundled_tokenizer_dir, adapters)
+    _check_against_peft(llm, reference, adapters, QUANT_TOL)
+
+
+def test_quantized_base_with_adapters_runs_in_the_decode_stack(tiny_model_dir, adapters,
+                                                               q4_1_gguf, tmp_path,
+                                                               bundled_tokenizer_dir):
+    # NOTE: the one-call stack takes packed (AVX-512 VNNI) layers only: fused_stack.py
+    c_build.require_isa("avx512", cpu_quant.isa_supported("avx512"))
     reference = dequantized_copy(tiny_model_dir, tmp_path / "dequantized", "Q4_1")
     llm = _quant_llm(q4_1_gguf, bundled_tokenizer_dir, adapters)
     stack = llm.engine.runner.model.decode_stack
