@@ -360,9 +360,10 @@ DEFAULT_STEP_TOKENS = 2048
 
 
 # NOTE: python -m bench.long_prefill, bundled model, AVX2-only 2-core EPYC: 8 streams decoding
-# while a 4096-token prompt arrives: their ITL p99 while it prefills is 2779 ms in 512-token
-# chunks (46.5 ms alone), 1040 ms with 128-token chunks, which make that prompt's first token
-# come 1.5x later (16.2 -> 24.2 s); a lone prompt keeps the whole budget (bench/RESULTS.md).
+# while a 4096-token prompt arrives: their ITL p99 while it prefills is 2744 ms with its
+# chunks at the 512-token budget (50 ms alone), 1173 ms at 128 and 680 ms at 64, its first
+# token 16.2, 21.4 and 29.6 s; a prompt with nothing decoding beside it keeps the whole
+# budget (bench/RESULTS.md).
 PREFILL_WHILE_DECODING = {"cpu": 128}
 
 
