@@ -47,7 +47,7 @@ class SchedulerConfig:
     max_loras: int | None = None  # distinct LoRA adapters running at once (None: LoRA off)
     # NOTE: the most tokens of one prompt a step takes while other requests decode (None: the
     # budget's): their next tokens wait for the whole step (ipc/config.py)
-    prefill_while_decoding: int | None = None
+    max_prefill_tokens_while_decoding: int | None = None
 
 
 class Scheduler:
@@ -179,7 +179,7 @@ class Scheduler:
     def _prefill_chunk(self) -> int:
         """The most tokens of one prompt this step: the cap while a running request decodes
         (it has one token left to compute, or none: a beam waiting for its siblings)."""
-        cap = self.config.prefill_while_decoding
+        cap = self.config.max_prefill_tokens_while_decoding
         if cap is not None and any(r.num_tokens - r.num_computed_tokens <= 1
                                    for r in self.running):
             return cap

@@ -33,10 +33,10 @@ TOKEN = 7  # what the fake runner samples unless told otherwise
 
 def make(num_blocks: int, budget: int, *, mode: str = "swap", cpu_blocks: int = 8,
          max_num_seqs: int = 4, prefix_caching: bool = False,
-         prefill_while_decoding: int | None = None) -> Scheduler:
+         max_prefill_tokens_while_decoding: int | None = None) -> Scheduler:
     kv = KVCacheManager(num_blocks, 4, prefix_caching, cpu_blocks)
     config = SchedulerConfig(max_num_seqs, budget, 64,
-                             prefill_while_decoding=prefill_while_decoding)
+                             max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding)
     return Scheduler(config, kv, [EOS], PreemptionCost(1, 1.0, "cpu", mode))
 
 
@@ -133,9 +133,9 @@ def test_the_budget_caps_a_step_and_the_rest_waits():
 
 
 def test_a_long_prompt_takes_small_chunks_only_while_others_decode():
-    """prefill_while_decoding caps each prompt's chunk in the steps where another request
+    """max_prefill_tokens_while_decoding caps each prompt's chunk in the steps where another request
     decodes (whose next token waits for the step); alone, a prompt takes the whole budget."""
-    s, run = make(num_blocks=32, budget=16, prefill_while_decoding=3), FakeRunner()
+    s, run = make(num_blocks=32, budget=16, max_prefill_tokens_while_decoding=3), FakeRunner()
     s.add(request("long", 20, max_tokens=1))
     assert counts(run.step(s)[0]) == [("long", 16)]  # nothing decodes: the budget
     run.step(s)
