@@ -27,6 +27,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from bench.output import write_json
 from ipc.messages import AddRequest
 from ipc.sampling import SamplingParams
 
@@ -147,9 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["llama_bench"] = llama_bench(binary, args.model, args.output_len, args.threads,
                                             args.rounds)
     print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     return result
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from bench.output import write_json
+
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 
 
@@ -171,9 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["llama.cpp"] = llama_cpp_kld(args.model, args.text, args.ctx, args.threads,
                                             result["pagedserve"]["chunks"])
         print(json.dumps(result["llama.cpp"], indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     return result
 
 

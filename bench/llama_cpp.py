@@ -17,6 +17,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from ipc import model_source
+
 VERSION = "0.3.36"
 TARGETS = ("llama-server", "llama-bench", "llama-perplexity", "llama-quantize")
 # NOTE: /proc/cpuinfo flag -> ggml's CMake option, for a build without -DGGML_NATIVE (which
@@ -56,7 +58,7 @@ int main(void) {
 
 
 def cache_root() -> Path:
-    root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+    root = model_source.cache_root()
     return root / f"llama.cpp-{VERSION}"
 
 

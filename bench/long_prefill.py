@@ -16,13 +16,13 @@ fields (`name=value`). The configs alternate round by round, so machine drift hi
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from pathlib import Path
 
 from bench.metrics import percentile
+from bench.output import write_json
 from ipc.messages import AddRequest
 from ipc.sampling import SamplingParams
 
@@ -121,9 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"prefills p50 {s['itl_during_p50_ms']:.1f} p99 {s['itl_during_p99_ms']:.1f} "
               f"max {s['itl_during_max_ms']:.1f} ms over {s['steps_during']:.0f} steps; its "
               f"TTFT {s['long_ttft_s']:.2f} s ({s['long_prefill_tok_s']:.0f} tok/s)")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     return result
 
 

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from bench import llama_cpp
+from ipc.model_source import cache_root
 
 SHAPE = dict(
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -37,8 +38,7 @@ KINDS = ("Q4_K_M", "Q4_0", "F16")
 
 
 def root() -> Path:
-    base = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
-    return base / "llama-3.2-1b-shaped"
+    return cache_root() / "llama-3.2-1b-shaped"
 
 
 def path(kind: str) -> Path:

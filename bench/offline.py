@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.memory import PeakMemory
+from bench.output import write_json
 from bench.workloads import DISTRIBUTIONS, RequestSpec, make_workload, prompt_token_ids
 from ipc.config import add_engine_args, config_from_args
 from ipc.messages import AddRequest
@@ -202,9 +203,7 @@ def main(argv: list[str] | None = None) -> None:
               "num_requests": args.num_requests, "workload_seed": args.workload_seed,
               "max_output_len": args.max_output_len, "pagedserve": engine,
               "baselines": baselines, "best_baseline_batch_size": best and best["batch_size"]}
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result, indent=2)
     if args.json:
         print(json.dumps(result))
     else:

