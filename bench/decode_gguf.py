@@ -7,7 +7,9 @@
 
 A mode is a numerics (a32, a8), "-f16kv" for a float16 KV cache (else float32), and "-raw" to
 load the file with the packed tiles of kernels/cpu/csrc/quant_kpacked.c turned off (the
-raw-block kernels of quant_packed.c, as before issue 31), so one run shows both. Each round
+raw-block kernels of quant_packed.c, as before issue 31), so one run shows both; "-layers"
+runs every step layer by layer (the model's one-call decode stack, kernels/cpu/csrc/fused.c,
+removed), to show what the stack buys. Each round
 runs `--rows` greedy requests (`ignore_eos`) per mode, the modes in turn; the figure is the
 median decode step (`engine.step()`, the prefill step left out) over the rounds. llama-bench
 (bench/llama_cpp.py's build) runs `-p 0 -n OUTPUT_LEN -t THREADS -r ROUNDS` on the same file.
@@ -47,20 +49,24 @@ def decode_steps(llm: object, prompts: list[list[int]], output_len: int, tag: st
 
 
 def load(model: str, mode: str) -> object:
-    """An in-process LLM for a mode; "-raw" loads with cpu_kquant's tiles off."""
+    """An in-process LLM for a mode; "-raw" loads with cpu_kquant's tiles off, "-layers"
+    without the decode stack."""
     from engine import LLM
     from kernels.cpu import kquant as cpu_kquant
 
     numerics = mode.split("-")[0]
     kv = "float16" if "-f16kv" in mode else "float32"
     packs = cpu_kquant.packs
-    if mode.endswith("-raw"):
+    if "-raw" in mode:
         cpu_kquant.packs = lambda type_id, k: False  # NOTE: this load only
     try:
-        return LLM(model, quantization="gguf", quantization_numerics=numerics,
-                   kv_cache_space=0.25, kv_cache_dtype=kv)
+        llm = LLM(model, quantization="gguf", quantization_numerics=numerics,
+                  kv_cache_space=0.25, kv_cache_dtype=kv)
     finally:
         cpu_kquant.packs = packs
+    if "-layers" in mode:
+        llm.engine.runner.model.decode_stack = None
+    return llm
 
 
 def weight_bytes(model: str) -> int:

@@ -1,5 +1,6 @@
 """The decoder stack of a plain decode step in one C call (kernels/cpu/fused.py) for
-Llama-layout models whose projections are all packed quantized layers.
+Llama-layout models whose projections are all quantized: packed tiles, or raw-block segments
+where the CPU or the type has no packed tiles (every type on an AVX2-only CPU).
 
 `DecodeStack.build(model)` says whether a model qualifies (else None: its layers always run
 one by one); `fits` decides per step (every row one token, KV pools of a dtype the driver
@@ -18,6 +19,7 @@ from engine.models.quant_linear import PREFILL_ROWS, QuantLinear, QuantMLP
 from engine.run.forward_context import get_forward_context
 from kernels.cpu import fused as cpu_fused
 from kernels.cpu import quant as cpu_quant
+from kernels.cpu.blocks import Segment
 from kernels.cpu.lora import SlotWeights
 
 
@@ -32,8 +34,8 @@ class DecodeStack:
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> DecodeStack | None:
         """The stack for `model`, or None where a layer has anything the driver lacks (biases,
-        q/k norms, windows, soft-caps, Gemma's extra norms, unpacked or K-quant projections,
-        a dense MLP) or the C kernels cannot run here."""
+        q/k norms, windows, soft-caps, Gemma's extra norms, dense segments, K-quant packed
+        tiles, a dense MLP) or the C kernels cannot run here."""
         layers = [_layer_weights(layer) for layer in model.layers]
         if not layers or None in layers or not cpu_fused.available():
             return None
@@ -99,23 +101,40 @@ class DecodeStack:
 
 def _layer_weights(layer: torch.nn.Module) -> cpu_fused.LayerWeights | None:
     """The layer's tensors for the driver, or None where it is not a plain Llama layer whose
-    projections are packed products and whose MLP is one call."""
+    projections are packed products or raw-block segments and whose MLP is one call."""
     if type(layer) is not DecoderLayer or layer.uses_local_rope:
         return None
     attn, mlp = layer.self_attn, layer.mlp.fused
     if (attn.q_norm is not None or attn.window is not None or attn.softcap is not None
             or not isinstance(mlp, QuantMLP)):
         return None
-    projs = [p.packed_weight if isinstance(p, QuantLinear) else None
-             for p in (attn.qkv_proj, attn.o_proj)]
     norms = [n.weight.detach() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    if None in projs or any(n.dtype != torch.float32 for n in norms):
+    if any(n.dtype != torch.float32 for n in norms):
         return None
-    # NOTE(hook, issue 31): the driver calls quant_packed.c's kernels, not quant_kpacked.c's
-    if any(t not in cpu_quant.PACKED_TYPES for t in (projs[0].type_id, projs[1].type_id,
-                                                     mlp.gate_up.type_id, mlp.down.type_id)):
+    qkv, o = _segments(attn.qkv_proj), _segments(attn.o_proj)
+    if qkv is None or o is None:
         return None
-    qkv, o = projs
-    return cpu_fused.LayerWeights(*norms, (qkv.data, qkv.type_id), (o.data, o.type_id),
-                                  (mlp.gate_up.data, mlp.gate_up.type_id),
-                                  (mlp.down.data, mlp.down.type_id))
+    if mlp.segments is None:  # packed tiles
+        gate_up = ([(mlp.gate_up.data, mlp.gate_up.type_id)], True)
+        down = ([(mlp.down.data, mlp.down.type_id)], True)
+    else:
+        gate_up, down = ((segments, False) for segments in mlp.segments)
+    products = (qkv, o, gate_up, down)
+    # NOTE(hook, issue 31): packed tiles go to quant_packed.c's kernels, not quant_kpacked.c's
+    if any(packed and t not in cpu_quant.PACKED_TYPES
+           for segments, packed in products for _, t in segments):
+        return None
+    return cpu_fused.LayerWeights(*norms, *(segments for segments, _ in products),
+                                  packed=tuple(packed for _, packed in products))
+
+
+def _segments(proj: torch.nn.Module) -> tuple[list[Segment], bool] | None:
+    """A projection's (segments, packed) for the driver, or None where it has a bias or a
+    dense part."""
+    if not isinstance(proj, QuantLinear):
+        return None
+    one = proj.packed_weight
+    if one is not None:
+        return [(one.data, one.type_id)], True
+    segments = proj.block_segments
+    return None if segments is None else (segments, False)

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import blocks as cpu_blocks
 from kernels.cpu import lora as cpu_lora
 from kernels.cpu import quant as cpu_quant
 from kernels.cpu.ggml_types import Q8_0
@@ -127,18 +128,33 @@ class QuantLinear(nn.Module):
         self._product = cpu_quant.PackedProduct(one.data, one.type_id, one.rows, one.cols,
                                                 numerics) if (
             len(self.parts) == 1 and one.packed and self.bias is None) else None
+        segments = self.block_segments
+        if self._product is None and segments is not None:
+            self._product = cpu_blocks.BlockProduct(segments, self.in_features, numerics)
+            self._rows_limit = PREFILL_ROWS  # NOTE: raw blocks expand past it in both numerics
+
+    @property
+    def block_segments(self) -> list[cpu_blocks.Segment] | None:
+        """The layer's raw-block parts as (blocks, type id) segments when every part is raw
+        quantized blocks and there is no bias (kernels/cpu/blocks.py takes them; so does
+        kernels/cpu/csrc/fused.c), else None."""
+        if self.bias is not None or any(p.type_id is None or p.packed for p in self.parts):
+            return None
+        segments = [(p.data, p.type_id) for p in self.parts]
+        return segments if cpu_blocks.takes(segments, self.in_features) else None
 
     @property
     def packed_weight(self) -> QuantWeight | None:
         """The layer's one packed part when it is a single packed product without bias (the
         decode fast path; kernels/cpu/csrc/fused.c takes such layers), else None."""
-        return self.parts[0] if self._product is not None else None
+        return self.parts[0] if isinstance(self._product, cpu_quant.PackedProduct) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if (self._product is not None and x.dtype == torch.float32 and x.is_contiguous()
                 and x.numel() <= self._rows_limit * self.in_features):
-            # NOTE: the decode-sized fast path: one packed part, no bias, no copies
+            # NOTE: the decode-sized fast path: one packed part or raw-block segments, no
+            # bias, no copies; one C call
             x2 = x.view(-1, self.in_features)
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             if x2.shape[0]:
@@ -198,29 +214,44 @@ def _merge_same_type(parts: list[QuantWeight]) -> list[QuantWeight]:
 
 
 class QuantMLP(nn.Module):
-    """An MLP's gate/up and down products and its activation in one kernel call
-    (cpu_quant.PackedMLP) for up to `packed_rows_limit` rows (any count in a8), LoRA deltas
-    included once attached; the MLP keeps its own path otherwise.
+    """An MLP's gate/up and down products and its activation in one kernel call for up to
+    `packed_rows_limit` rows (any count in a8) of packed layers (cpu_quant.PackedMLP), or up
+    to PREFILL_ROWS of raw-block segments (cpu_blocks.BlockMLP: CPUs and types without
+    packed tiles), LoRA deltas included once attached; the MLP keeps its own path otherwise.
     engine/models/accelerate.py installs it in llama.MLP's slot.
     NOTE: one call instead of two products and three torch ops per layer: 30-40 us of a
     decode step's per-layer overhead on SmolLM2-135M."""
 
     def __init__(self, gate_up: QuantLinear, down: QuantLinear, act: str) -> None:
         super().__init__()
-        gu, dn = gate_up.parts[0], down.parts[0]
-        self.gate_up, self.down = gu, dn  # packed [2 inter, hidden] (gate first), [hidden, inter]
         self.act, self.numerics = act, gate_up.numerics
         self.hidden, self.inter = down.out_features, down.in_features
-        self._rows_limit = packed_rows_limit(gate_up.numerics)
-        self._mlp = cpu_quant.PackedMLP(gu.data, gu.type_id, dn.data, dn.type_id, self.hidden,
-                                        down.in_features, gate_up.numerics, act)
+        gu, dn = gate_up.packed_weight, down.packed_weight
+        # NOTE: packed [2 inter, hidden] (gate first) and [hidden, inter]; None: raw blocks
+        self.gate_up, self.down = gu, dn
+        if gu is not None and dn is not None:
+            self._rows_limit = packed_rows_limit(gate_up.numerics)
+            self._mlp = cpu_quant.PackedMLP(gu.data, gu.type_id, dn.data, dn.type_id,
+                                            self.hidden, self.inter, gate_up.numerics, act)
+            self.segments = None
+        else:
+            self._rows_limit = PREFILL_ROWS
+            self.segments = (gate_up.block_segments, down.block_segments)
+            self._mlp = cpu_blocks.BlockMLP(*self.segments, self.hidden, self.inter,
+                                            gate_up.numerics, act)
         self._lora: cpu_lora.MlpDeltas | None = None  # attach_lora
 
     @staticmethod
     def applies(gate_up: nn.Module, down: nn.Module) -> bool:
-        return all(isinstance(m, QuantLinear) and m.packed_weight is not None
-                   for m in (gate_up, down)) and gate_up.out_features == 2 * down.in_features \
-            and cpu_quant.fuses(gate_up.parts[0].type_id, down.parts[0].type_id)
+        """Both layers packed by one library, or both raw-block segments (of one numerics)."""
+        if not (all(isinstance(m, QuantLinear) for m in (gate_up, down))
+                and gate_up.out_features == 2 * down.in_features
+                and gate_up.in_features == down.out_features
+                and gate_up.numerics == down.numerics):
+            return False
+        if gate_up.packed_weight is not None and down.packed_weight is not None:
+            return cpu_quant.fuses(gate_up.parts[0].type_id, down.parts[0].type_id)
+        return gate_up.block_segments is not None and down.block_segments is not None
 
     def attach_lora(self, gate_up: SlotWeights, down: SlotWeights) -> None:
         """The adapters' slots of this MLP's gate_up and down (engine/run/lora): a step's

@@ -1,7 +1,8 @@
-"""A decode step's decoder stack in one C call (csrc/fused.c) over packed quantized layers: the
-driver calls ops.c's norms and rope, quant_packed.c's products, mlp.c's MLP, decode.c's KV
-write and decode attention and lora.c's per-row LoRA deltas directly, all in the one CPU
-library (kernels/cpu/library.py).
+"""A decode step's decoder stack in one C call (csrc/fused.c) over quantized layers, packed
+tiles or raw-block segments: the driver calls ops.c's norms and rope, quant_packed.c's or
+mlp_blocks.c's products, mlp.c's or mlp_blocks.c's MLP, decode.c's KV write and decode
+attention and lora.c's per-row LoRA deltas directly, all in the one CPU library
+(kernels/cpu/library.py).
 
 NOTE: 30 layers of SmolLM2-135M cost about 2.9 ms of Python and torch per decoded token
 between the kernels (a8: 9.2 ms per token, of which the products 5.3 and attention 1.0).
@@ -15,6 +16,7 @@ import sys
 import torch
 
 from kernels.cpu import library
+from kernels.cpu.blocks import BlockParts, Segment
 from kernels.cpu.decode import MAX_BLOCK, MAX_GROUP, MAX_ROWS
 from kernels.cpu.library import available, build_error
 from kernels.cpu.lora import LoraWeights, SlotWeights
@@ -36,12 +38,24 @@ class _Shape(ctypes.Structure):
                 ("act", ctypes.c_int), ("kv_f16", ctypes.c_int), ("lora_slots", _i64)]
 
 
+class _Product(ctypes.Structure):
+    _fields_ = [("packed", _i64), ("blocks", BlockParts)]
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [*[(n, _ptr) for n in ("input_norm", "post_norm", "qkv", "o", "gate_up",
-                                      "down")],
-                *[(n, _i64) for n in ("qkv_type", "o_type", "gate_up_type", "down_type")],
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr),
+                *[(n, _Product) for n in _PRODUCTS],
                 ("k_cache", _ptr), ("v_cache", _ptr),
                 *[(f"{n}_lora", LoraWeights) for n in _PRODUCTS]]
+
+
+def _product(segments: list[Segment], packed: bool, k: int) -> _Product:
+    if packed:
+        (tiles, type_id), = segments
+        parts = BlockParts()
+        parts.data[0], parts.type[0], parts.parts = tiles.data_ptr(), type_id, 1
+        return _Product(1, parts)
+    return _Product(0, BlockParts.of(segments, k))
 
 
 def runs_with(backend: object) -> bool:
@@ -50,16 +64,21 @@ def runs_with(backend: object) -> bool:
 
 
 class LayerWeights:
-    """One layer's tensors: norms float32 [hidden]; packed tiles (kernels/cpu/quant.py's
-    `pack`) of qkv [(heads + 2 kv_heads) head_dim, hidden] (q, k, v rows in that order),
-    o [hidden, heads head_dim], gate_up [2 inter, hidden] (gate rows first), down
-    [hidden, inter], with their ggml type ids."""
+    """One layer's tensors: norms float32 [hidden]; the products qkv [(heads + 2 kv_heads)
+    head_dim, hidden] (q, k, v rows in that order), o [hidden, heads head_dim], gate_up
+    [2 inter, hidden] (gate rows first), down [hidden, inter], each as (tensor, ggml type id)
+    segments: one packed tiles tensor (kernels/cpu/quant.py's `pack`) with packed True, or
+    raw blocks [rows, row_bytes] stacked in order (kernels/cpu/blocks.py's) with packed
+    False (`packed`: one flag per product, in that order; gate_up's and down's equal)."""
 
     def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor,
-                 qkv: tuple[torch.Tensor, int], o: tuple[torch.Tensor, int],
-                 gate_up: tuple[torch.Tensor, int], down: tuple[torch.Tensor, int]) -> None:
+                 qkv: list[Segment], o: list[Segment], gate_up: list[Segment],
+                 down: list[Segment], packed: tuple[bool, bool, bool, bool]) -> None:
         self.input_norm, self.post_norm = input_norm, post_norm
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        if packed[2] != packed[3]:
+            raise ValueError("gate_up and down must be both packed or both raw blocks")
+        self.packed = dict(zip(_PRODUCTS, packed, strict=True))
 
 
 class DecodeStack:
@@ -78,10 +97,9 @@ class DecodeStack:
         self._table = (_Layer * len(layers))()
         for row, w in zip(self._table, layers, strict=True):
             row.input_norm, row.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
-            for name in _PRODUCTS:
-                tiles, type_id = getattr(w, name)
-                setattr(row, name, tiles.data_ptr())
-                setattr(row, f"{name}_type", type_id)
+            for name, k in zip(_PRODUCTS, (hidden, heads * head_dim, hidden, inter),
+                               strict=True):
+                setattr(row, name, _product(getattr(w, name), w.packed[name], k))
         self._shape = _Shape(hidden, inter, heads, kv_heads, head_dim, 0, 0, eps, scale,
                              NUMERICS[numerics], ACTIVATIONS[act])
         self._final = final_norm.data_ptr()

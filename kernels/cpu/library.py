@@ -35,6 +35,7 @@ SOURCES: tuple[tuple[str, list[str]], ...] = (
     ("quant_x86.c", PORTABLE),  # AVX2 / AVX-512 row tiles
     ("quant_packed.c", PORTABLE),  # 16-feature packed tiles
     ("mlp.c", PORTABLE),  # the one-call MLP over packed tiles
+    ("mlp_blocks.c", PORTABLE),  # multi-part products and the one-call MLP over raw blocks
     ("quant_kpacked.c", PORTABLE),  # packed tiles of Q5_0, Q5_1 and the K-quants
     ("lora.c", PORTABLE),  # per-row LoRA deltas
     ("fused.c", _BASE),  # a decode step's decoder stack, calling the kernels above
@@ -68,6 +69,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "quant_packed_kmajor": ([_i32, _p, _i64, _i64, _i64, _i64, _p, _i64, _i32], _i32),
     "quant_mlp_packed": ([_i32, _p, _i32, _p, _i64, _i64, _p, _i64, _p, _i32, _i32, _p, _i32],
                          _i32),
+    "quant_matmul_parts": ([_p, _i64, _p, _i64, _i64, _p, _i64, _i32, _i32, _i32], _i32),
+    "quant_mlp_blocks": ([_p, _p, _i64, _i64, _p, _i64, _p, _i32, _i32, _p, _i32, _i32], _i32),
     "kq_isa_supported": ([], _i32),
     "kq_packed_bytes": ([_i32, _i64, _i64], _i64),
     "kq_pack": ([_i32, _p, _i64, _i64, _p], _i32),

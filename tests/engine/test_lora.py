@@ -105,20 +105,11 @@ def _quant_llm(q4_1_gguf, tokenizer_dir, adapters, numerics: str = "a32"):
                enable_lora=True, max_loras=4, lora_modules=_modules(adapters))
 
 
-def test_quantized_base_matches_peft_on_dequantized_weights(tiny_model_dir, adapters, q4_1_gguf,
-                                                            tmp_path, bundled_tokenizer_dir):
-    """On every CPU: the per-layer path's products (raw-block kernels where nothing packs),
-    or the one-call stack's where AVX-512 VNNI packs the layers (the next test)."""
-    reference = dequantized_copy(tiny_model_dir, tmp_path / "dequantized", "Q4_1")
-    llm = _quant_llm(q4_1_gguf, bundled_tokenizer_dir, adapters)
-    _check_against_peft(llm, reference, adapters, QUANT_TOL)
-
-
 def test_quantized_base_with_adapters_runs_in_the_decode_stack(tiny_model_dir, adapters,
                                                                q4_1_gguf, tmp_path,
                                                                bundled_tokenizer_dir):
-    # NOTE: the one-call stack takes packed (AVX-512 VNNI) layers only: fused_stack.py
-    c_build.require_isa("avx512", cpu_quant.isa_supported("avx512"))
+    """PEFT on the dequantized weights is the reference; the decode steps run in the one-call
+    stack on every CPU (packed tiles with AVX-512 VNNI, raw-block segments elsewhere)."""
     reference = dequantized_copy(tiny_model_dir, tmp_path / "dequantized", "Q4_1")
     llm = _quant_llm(q4_1_gguf, bundled_tokenizer_dir, adapters)
     stack = llm.engine.runner.model.decode_stack
@@ -142,7 +133,6 @@ def test_decode_stack_adds_the_deltas_of_interleaved_adapters(q4_1_gguf, bundled
     against the per-layer path with the torch deltas (row slots withheld: no C kernel, no
     stack, no fused MLP takes the step): the same hidden states and KV writes up to float32
     rounding, and far from the base's."""
-    c_build.require_isa("avx512", cpu_quant.isa_supported("avx512"))
     llm = _quant_llm(q4_1_gguf, bundled_tokenizer_dir, adapters, numerics)
     runner, slots = llm.engine.runner, llm.engine.lora
     model, stack = runner.model, runner.model.decode_stack

@@ -18,6 +18,7 @@ from engine import LLM, SamplingParams
 from engine.models.loader import float32_cache
 from engine.models.quant_linear import QuantEmbedding, QuantLinear
 from ipc.model_source import resolve_model
+from kernels.cpu import kquant
 from kernels.cpu import quant as cpu_quant
 
 
@@ -30,6 +31,9 @@ PROMPTS = [[1, 422, 3110, 2706], [1] + list(range(300, 340)), [5, 6, 7]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
 SMALL = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
+# NOTE: llama-quantize's Q4_K_M mix on a file of 256-wide rows: v and down Q6_K, the rest
+# Q4_K, so the fused qkv holds two segments of two types
+Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}
 
 
 def _run(path, tok_dir, **options):
@@ -40,15 +44,21 @@ def _run(path, tok_dir, **options):
     return llm, outs
 
 
-@pytest.mark.parametrize("type_name", SMALL + K_TYPES)
+@pytest.mark.parametrize("type_name", [*SMALL, *K_TYPES, "Q4_K_M"])
 def test_gguf_a32_equals_dequantized(type_name, tiny_model_dir, wide_model_dir,
                                      bundled_tokenizer_dir, tmp_path):
+    mix = Q4_K_M if type_name == "Q4_K_M" else None
+    if mix:
+        type_name = "Q4_K"
     src = wide_model_dir if type_name in K_TYPES else tiny_model_dir
-    path = write_tiny_gguf(src, tmp_path / f"tiny-{type_name}.gguf", type_name)
+    path = write_tiny_gguf(src, tmp_path / f"tiny-{type_name}{'-M' * bool(mix)}.gguf",
+                           type_name, overrides=mix)
     llm, quant = _run(path, bundled_tokenizer_dir, quantization="gguf")
     model = llm.engine.runner.model
     kinds = {m.parts[0].type_id for m in model.modules() if isinstance(m, QuantLinear)}
-    assert cpu_quant.TYPE_NAMES[max(kinds)] in (type_name, "Q8_0")  # Q8_0: the tied head
+    assert cpu_quant.TYPE_NAMES[max(kinds)] in (("Q6_K",) if mix else (type_name, "Q8_0"))
+    if mix:  # q|k Q4_K, v Q6_K
+        assert [p.type_id for p in model.layers[0].self_attn.qkv_proj.parts] == [12, 14]
     assert isinstance(model.embed_tokens, QuantEmbedding)
     assert not any(p.dim() == 2 for p in model.parameters())  # no float32 expansion
     if type_name in ("Q4_0", "Q4_1", "Q8_0") and cpu_quant.isa_supported("avx512"):
@@ -56,8 +66,12 @@ def test_gguf_a32_equals_dequantized(type_name, tiny_model_dir, wide_model_dir,
         assert all(p.packed for m in model.modules() if isinstance(m, QuantLinear)
                    for p in m.parts)
         assert model.embed_tokens.weight_q.packed
+    type_id = next(k for k, v in cpu_quant.TYPE_NAMES.items() if v == type_name)
+    if not (type_id in kquant.TYPES and kquant.packs(type_id, 256)):
+        # NOTE: packed tiles or raw-block segments (AVX2-only CPUs: every type): each MLP one
+        # kernel call, the decode steps one C call each (engine/models/fused_stack.py); the
+        # stack does not take quant_kpacked.c's tiles (issue 31's hook)
         assert all(layer.mlp.fused is not None for layer in model.layers)
-        # the decode steps ran as one C call each (engine/models/fused_stack.py)
         assert model.decode_stack is not None and model.decode_stack.calls >= 11
     float_cache = float32_cache(resolve_model(str(path)))
     assert not float_cache.exists()

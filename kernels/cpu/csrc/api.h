@@ -78,6 +78,22 @@ int quant_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int6
                      int64_t H, const float *x, int64_t M, float *out, int numerics, int act,
                      const MlpLora *lora, int num_threads);
 
+/* ---- mlp_blocks.c: products and the one-call MLP over raw blocks -------------------------- */
+/* One matrix W [N, K] as row segments of raw blocks (rows summing to N), each of its own ggml
+ * type, row-major in its file's blocks. */
+#define MAX_PARTS 4
+typedef struct {
+    const uint8_t *data[MAX_PARTS];
+    int64_t type[MAX_PARTS], rows[MAX_PARTS];
+    int64_t parts;
+} BlockParts;
+
+int quant_matmul_parts(const BlockParts *w, int64_t K, const float *x, int64_t xs, int64_t M,
+                       float *out, int64_t os, int numerics, int isa, int num_threads);
+int quant_mlp_blocks(const BlockParts *gu, const BlockParts *dn, int64_t I, int64_t H,
+                     const float *x, int64_t M, float *out, int numerics, int act,
+                     const MlpLora *lora, int isa, int num_threads);
+
 /* ---- quant_kpacked.c: packed tiles of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (same arguments) ------- */
 int kq_isa_supported(void);
 int64_t kq_packed_bytes(int type, int64_t N, int64_t K);

@@ -1,15 +1,16 @@
 /* A decode step's whole decoder stack in one call, for Llama-layout models whose projections
- * are packed quantized tiles (every row one token): per layer add + RMSNorm, the QKV product,
- * rope, the KV write, paged decode attention, the O product, add + RMSNorm and the one-call
- * MLP; then the final norm. The LM head stays with the caller. Rows with a LoRA adapter get
- * its delta (lora.c) after each adapted product: qkv and o here, gate_up (before the
- * activation) and down inside the MLP's call.
+ * are packed quantized tiles or raw-block segments (every row one token): per layer add +
+ * RMSNorm, the QKV product, rope, the KV write, paged decode attention, the O product, add +
+ * RMSNorm and the one-call MLP; then the final norm. The LM head stays with the caller. Rows
+ * with a LoRA adapter get its delta (lora.c) after each adapted product: qkv and o here,
+ * gate_up (before the activation) and down inside the MLP's call.
  *
- * No kernel is written here: ops.c, quant_packed.c, mlp.c and decode.c keep theirs (with their
- * own compile flags) and this driver calls them in the same library (api.h). Each kernel
- * opens its own OpenMP region and they run one after another from this serial driver, so
- * libgomp's pool stays hot and no region nests. The same calls with the same arguments as
- * the per-layer path in engine/models/llama.py, so both give the same numbers.
+ * No kernel is written here: ops.c, quant_packed.c, mlp.c, mlp_blocks.c and decode.c keep
+ * theirs (with their own compile flags) and this driver calls them in the same library
+ * (api.h). Each kernel opens its own OpenMP region and they run one after another from this
+ * serial driver, so libgomp's pool stays hot and no region nests. The same calls with the
+ * same arguments as the per-layer path in engine/models/llama.py, so both give the same
+ * numbers.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,12 +27,19 @@ typedef struct {
     int64_t lora_slots; /* the LoRA slots each layer's LoraWeights hold (0: none) */
 } Shape;
 
-/* One layer's weights (packed tiles, ggml type ids), KV pools [num_slots, kv_heads, D] and
- * LoRA slots of its four products (api.h's LoraWeights, a NULL: not adapted). */
+/* One product's weights: packed tiles (quant_packed.c) of one type in blocks.data[0] with its
+ * type in blocks.type[0], or (packed 0) raw-block segments (mlp_blocks.c). A layer's gate_up
+ * and down are both packed or both raw. */
+typedef struct {
+    int64_t packed;
+    BlockParts blocks;
+} Product;
+
+/* One layer's weights, KV pools [num_slots, kv_heads, D] and LoRA slots of its four products
+ * (api.h's LoraWeights, a NULL: not adapted). */
 typedef struct {
     const float *input_norm, *post_norm;
-    const uint8_t *qkv, *o, *gate_up, *down;
-    int64_t qkv_type, o_type, gate_up_type, down_type;
+    Product qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* float or uint16_t (kv_f16) */
     LoraWeights qkv_lora, o_lora, gate_up_lora, down_lora;
 } Layer;
@@ -45,6 +53,30 @@ static int add_lora(const Shape *s, const LoraWeights *w, const int32_t *adapter
         return 0;
     return lora_delta_f32(x, K, M, K, adapters, s->lora_slots, w->a, w->bt, w->rank, w->ldb,
                           out, N, N, ISA_AUTO, num_threads);
+}
+
+/* out [M, N] = x [M, K] @ W^T, x and out contiguous */
+static int product(const Shape *s, const Product *p, int64_t N, int64_t K, const float *x,
+                   int64_t M, float *out, int num_threads)
+{
+    if (p->packed)
+        return quant_matmul_packed((int)p->blocks.type[0], p->blocks.data[0], N, K, x, K, M,
+                                   out, N, s->numerics, num_threads);
+    return quant_matmul_parts(&p->blocks, K, x, K, M, out, N, s->numerics, ISA_AUTO,
+                              num_threads);
+}
+
+static int mlp(const Shape *s, const Layer *L, const float *x, int64_t M, float *out,
+               const MlpLora *lora, int num_threads)
+{
+    if (L->gate_up.packed != L->down.packed)
+        return -1;
+    if (L->gate_up.packed)
+        return quant_mlp_packed((int)L->gate_up.blocks.type[0], L->gate_up.blocks.data[0],
+                                (int)L->down.blocks.type[0], L->down.blocks.data[0], s->inter,
+                                s->hidden, x, M, out, s->numerics, s->act, lora, num_threads);
+    return quant_mlp_blocks(&L->gate_up.blocks, &L->down.blocks, s->inter, s->hidden, x, M,
+                            out, s->numerics, s->act, lora, ISA_AUTO, num_threads);
 }
 
 static int64_t write_kv(const Shape *s, const Layer *L, const float *key, int64_t key_stride,
@@ -101,8 +133,7 @@ int fused_decode_stack(const Shape *s, const Layer *layers, int num_layers, cons
         /* layer 0 norms the embedding; later layers add their input to the residual first */
         add_rms_norm_f32(l ? cur : res, l ? res : NULL, L->input_norm, h, M, H, s->eps,
                          num_threads);
-        if (quant_matmul_packed((int)L->qkv_type, L->qkv, nqkv, H, h, H, M, qkv, nqkv,
-                                s->numerics, num_threads)
+        if (product(s, &L->qkv, nqkv, H, h, M, qkv, num_threads)
             || add_lora(s, &L->qkv_lora, adapters, h, H, M, qkv, nqkv, num_threads)) {
             rc = -1;
             break;
@@ -114,17 +145,14 @@ int fused_decode_stack(const Shape *s, const Layer *layers, int num_layers, cons
             break;
         }
         decode(s, L, qk, nqk, tables, table_stride, seq_lens, attn, nq, M, num_threads);
-        if (quant_matmul_packed((int)L->o_type, L->o, H, nq, attn, nq, M, o, H, s->numerics,
-                                num_threads)
+        if (product(s, &L->o, H, nq, attn, M, o, num_threads)
             || add_lora(s, &L->o_lora, adapters, attn, nq, M, o, H, num_threads)) {
             rc = -1;
             break;
         }
         add_rms_norm_f32(o, res, L->post_norm, h, M, H, s->eps, num_threads);
         const MlpLora mlp_lora = {adapters, s->lora_slots, L->gate_up_lora, L->down_lora};
-        if (quant_mlp_packed((int)L->gate_up_type, L->gate_up, (int)L->down_type, L->down,
-                             s->inter, H, h, M, cur, s->numerics, s->act,
-                             adapters ? &mlp_lora : NULL, num_threads))
+        if (mlp(s, L, h, M, cur, adapters ? &mlp_lora : NULL, num_threads))
             rc = -1;
     }
     if (!rc) {
