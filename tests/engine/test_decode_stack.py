@@ -2,7 +2,7 @@
 GGUF files: against the per-layer path on the same model and KV state, and where it must
 leave a step to the per-layer path. A Q4_1 file runs packed tiles on AVX-512 and raw-block
 segments elsewhere; a Q4_K_M-like file (q/k/gate/up Q4_K, v and down Q6_K: two segments in
-one fused qkv) runs raw-block segments where the K-quants do not pack. Greedy parity with
+one fused qkv) runs raw-block segments on every CPU (its load packs nothing). Greedy parity with
 `--quantization none` while the stack runs is checked in test_quantized.py
 (test_gguf_a32_equals_dequantized).
 """
@@ -19,7 +19,7 @@ from engine import LLM, SamplingParams
 from engine.run.forward_context import ForwardContext, forward_context
 from kernels.attention import cpu_backend, torch_backend
 from kernels.cpu import fused as cpu_fused
-from kernels.cpu import kquant
+from kernels.cpu import quant as cpu_quant
 from kernels.cpu.ggml_types import Q4_K, Q6_K
 
 Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}  # the overrides on a Q4_K file
@@ -45,12 +45,14 @@ def q4_k_m_gguf(wide_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module", params=["Q4_1-a32", "Q4_1-a8", "Q4_K_M-a32", "Q4_K_M-a8"])
 def llm(request, q4_1_gguf, q4_k_m_gguf, bundled_tokenizer_dir):
     kind, numerics = request.param.split("-")
-    if kind == "Q4_K_M" and kquant.packs(Q4_K, 256):
-        # NOTE(hook, issue 31): the driver does not call quant_kpacked.c's packed tiles
-        pytest.skip("this CPU packs the K-quants, whose tiles the stack does not take")
     path = q4_1_gguf if kind == "Q4_1" else q4_k_m_gguf
-    return LLM(str(path), tokenizer=str(bundled_tokenizer_dir), max_model_len=256,
-               num_gpu_blocks=64, quantization="gguf", quantization_numerics=numerics)
+    with pytest.MonkeyPatch.context() as patch:
+        if kind == "Q4_K_M":
+            # NOTE: raw-block segments on every CPU: where the K-quants pack (AVX-512 VNNI),
+            # the stack would not take their tiles (issue 31's hook), so this load packs none
+            patch.setattr(cpu_quant, "packs", lambda type_id, k: False)
+        return LLM(str(path), tokenizer=str(bundled_tokenizer_dir), max_model_len=256,
+                   num_gpu_blocks=64, quantization="gguf", quantization_numerics=numerics)
 
 
 @pytest.mark.parametrize("kv_dtype", list(cpu_fused.KV_DTYPES))
