@@ -44,7 +44,8 @@ from gateway.requests import (
 )
 from gateway.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from gateway.resumable_sse import StreamRoutes, resumable_sse, wants_resumable
-from gateway.service import Gateway, GatewaySettings
+from gateway.service import Gateway
+from gateway.settings import GatewaySettings
 from gateway.stats_stream import StatsFeed
 from gateway.streaming import (
     PING,

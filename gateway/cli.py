@@ -1,41 +1,32 @@
 """`pagedserve` command line: `serve` (gateway + spawned engine), `engine` and `generate`.
 
-`serve` runs uvicorn on uvloop; SIGTERM/SIGINT drain (see `_Drainer`), a second one forces exit.
-Exit codes: ipc.exit_codes; under systemd it speaks sd_notify (READY, STATUS, WATCHDOG, STOPPING).
+`serve` parses and checks its flags, spawns its engines, and only then imports the web stack
+(gateway/serving.py: the HTTP server, the drain, sd_notify), in a thread while the engines
+import torch and load: their starts overlap instead of adding up. This module therefore
+imports only what parsing and spawning need.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import importlib
 import importlib.util
 import logging
 import os
-import signal
 import sys
-import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-import structlog
-import uvicorn
-
-from gateway.app import build_app
 from gateway.model_args import add_model_args, check_model_args, engines_for
-from gateway.read_timeouts import timed_protocol
 from gateway.reasoning import REASONING_PARSERS
-from gateway.resumable import StreamLimits
-from gateway.service import Gateway, GatewaySettings
+from gateway.settings import GatewaySettings, StreamLimits
 from gateway.tools.registry import PARSERS
-from gateway.tracing import traces_url
 from ipc import exit_codes
 from ipc.config import EngineConfig, add_engine_args, config_from_args
 from ipc.engine_timeouts import EngineTimeouts
 from ipc.sd_notify import Notifier
 from ipc.transport import check_runtime_dir
-
-log = structlog.get_logger("pagedserve.serve")
 
 _EXEC_MODULES = {"engine": "engine", "generate": "engine.generate"}
 
@@ -219,6 +210,8 @@ def check_args(ns: argparse.Namespace) -> EngineConfig:
         raise ValueError(f"--chat-template {ns.chat_template!r} is not a file")
     settings_from_args(ns)  # NOTE: GatewaySettings validates its own fields (ValueError)
     if ns.otlp_traces_endpoint:
+        from gateway.tracing import traces_url  # NOTE: lazy, as the web stack it imports
+
         traces_url(ns.otlp_traces_endpoint)
         if importlib.util.find_spec("opentelemetry.sdk") is None:
             raise ValueError("--otlp-traces-endpoint needs the OpenTelemetry SDK: "
@@ -244,25 +237,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     if ns.headless:  # NOTE: no gateway here: exec the node's ranks, as `engine` is exec'd
         os.execv(sys.executable, [sys.executable, "-m", "engine.parallel.headless",
                                   *config.to_cli_args()])
-    configure_logging(ns.log_level)
+    # NOTE: the engine clients log through logging; gateway/serving.py adds structlog's setup
+    logging.basicConfig(level=logging.getLevelName(ns.log_level.upper()), format="%(message)s",
+                        stream=sys.stderr)
     import uvloop
 
-    sys.exit(uvloop.run(serve(ns)))
+    sys.exit(uvloop.run(_serve(ns)))
 
 
-def configure_logging(level: str) -> None:
-    numeric = logging.getLevelName(level.upper())
-    logging.basicConfig(level=numeric, format="%(message)s", stream=sys.stderr)
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
+async def _serve(ns: argparse.Namespace) -> int:
+    """Spawn the engines, import the web stack while they start, then serve."""
+    notifier = Notifier()
+    notifier.status("waiting for the engine" if ns.attach_engine else "starting the engine")
+    client = engines_for(ns)
+    starting = asyncio.ensure_future(client.start())
+    # NOTE: in a thread, so that this loop goes on spawning (one task level per pool or
+    # model) and answering the engines while the import runs
+    serving = await asyncio.get_running_loop().run_in_executor(
+        None, importlib.import_module, "gateway.serving")
+    return await serving.serve(ns, settings_from_args(ns), client, starting, notifier)
 
 
 def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
@@ -286,144 +279,6 @@ def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:
                                    max_event_age=ns.stream_buffer_age,
                                    max_total_bytes=ns.stream_buffer_total_bytes),
     )
-
-
-async def serve(ns: argparse.Namespace) -> int:
-    """Serve until drained; returns the exit status (ipc.exit_codes)."""
-    from gateway.engine_client import EngineUnavailableError
-
-    client = engines_for(ns)
-    gateway = Gateway(client, settings_from_args(ns))
-    notifier = Notifier()
-    drainer = _Drainer(gateway, ns.shutdown_timeout, notifier)
-    server = _Server(_uvicorn_config(ns, gateway), drainer)
-    status = exit_codes.OK
-
-    async def start_engine() -> None:
-        nonlocal status
-        notifier.status("waiting for the engine" if ns.attach_engine else "starting the engine")
-        try:
-            await client.start()
-            log.info("engine.ready", model=gateway.model_name)
-        except EngineUnavailableError as exc:
-            log.error("engine.failed", error=str(exc))
-            status = exit_codes.ENGINE_DIED
-            server.should_exit = True
-            return
-        except Exception as exc:
-            # NOTE: never a gateway left listening with no engine coming: exit, with the cause
-            log.error("engine.start_failed", error=f"{type(exc).__name__}: {exc}",
-                      traceback=traceback.format_exc())
-            status = exit_codes.FAILURE
-            server.should_exit = True
-            return
-        while not server.started:  # NOTE: READY=1 means "send traffic": the port must be open
-            await asyncio.sleep(0.05)
-        notifier.ready(_status_line(gateway))
-
-    tasks = [asyncio.create_task(start_engine()),
-             asyncio.create_task(_supervise(gateway, notifier))]
-    try:
-        await server.serve()
-    except SystemExit:
-        # NOTE: uvicorn exits 3 when it cannot listen, and 3 means "engine died" here.
-        log.error("listen.failed", host=ns.host, port=ns.port)
-        status = exit_codes.LISTEN_FAILED
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        notifier.stopping("closing the engine")
-        await client.close(timeout=ns.shutdown_timeout)
-        if gateway.tracer is not None:
-            gateway.tracer.shutdown()  # exports the spans still batched
-        notifier.close()
-    if status == exit_codes.OK and drainer.timed_out:
-        status = exit_codes.DRAIN_TIMEOUT
-    return status
-
-
-def _uvicorn_config(ns: argparse.Namespace, gateway: Gateway) -> uvicorn.Config:
-    return uvicorn.Config(build_app(gateway.client, gateway=gateway), host=ns.host,
-                          port=ns.port, lifespan="off", access_log=False,
-                          log_level=ns.log_level, ws="websockets", timeout_graceful_shutdown=5,
-                          http=timed_protocol(ns.header_timeout, ns.body_timeout),
-                          ws_max_size=ns.max_body_bytes)
-
-
-def _status_line(gateway: Gateway) -> str:
-    if gateway.draining:
-        return f"draining: {len(gateway.generations)} requests in flight"
-    if gateway.ready:
-        return f"serving {gateway.model_name}: {len(gateway.generations)} requests in flight"
-    error = getattr(gateway.client, "last_error", None)
-    return "engine unavailable" + (f" ({error}); waiting for it to restart" if error else "")
-
-
-async def _supervise(gateway: Gateway, notifier: Notifier) -> None:
-    """WATCHDOG=1 from the event loop (a blocked loop stops the pings, and systemd restarts
-    us) and a STATUS= line whenever the engine's state changes."""
-    if not notifier.enabled:
-        return
-    period = min(notifier.watchdog_interval or 1.0, 1.0)
-    last = ""
-    while True:
-        if notifier.watchdog_interval is not None:
-            notifier.watchdog()
-        line = _status_line(gateway)
-        if line != last and gateway.client.info is not None:
-            notifier.status(line)
-            last = line
-        await asyncio.sleep(period)
-
-
-class _Drainer:
-    """The shutdown checklist: stop taking work (health 503, new work 503, WS told), let
-    in-flight requests finish until the deadline, abort the rest, then stop the server."""
-
-    def __init__(self, gateway: Gateway, timeout: float, notifier: Notifier) -> None:
-        self.gateway = gateway
-        self.timeout = timeout
-        self.notifier = notifier
-        self.timed_out = False  # in-flight requests had to be aborted at the deadline
-
-    async def drain(self, server: uvicorn.Server) -> None:
-        gw = self.gateway
-        log.info("drain.start", inflight=len(gw.generations), timeout_s=self.timeout)
-        self.notifier.stopping(f"draining {len(gw.generations)} requests, "
-                               f"deadline {self.timeout:g} s")
-        gw.begin_drain()
-        if not await gw.wait_idle(self.timeout):
-            log.warning("drain.abort", remaining=len(gw.generations))
-            self.timed_out = True
-            gw.abort_all()
-            await gw.wait_idle(5.0)
-        server.should_exit = True
-
-
-class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, drainer: _Drainer) -> None:
-        super().__init__(config)
-        self._drainer = drainer
-        self._drain_task: asyncio.Task[None] | None = None
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # NOTE: uvicorn's own handler stops at once and re-raises the signal; we drain first.
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal, sig)
-        try:
-            yield
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-
-    def _on_signal(self, sig: int) -> None:
-        if self._drain_task is None:
-            self._drain_task = asyncio.create_task(self._drainer.drain(self))
-        else:
-            self.should_exit = self.force_exit = True
 
 
 if __name__ == "__main__":

@@ -14,28 +14,13 @@ import secrets
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import ApiError
+from gateway.settings import StreamLimits
 
 Emit = Callable[[Any, int], None]  # (event, its size in bytes)
 MAX_TOMBSTONES = 4096  # expired ids remembered, so a late resume hears `stream_expired`
-
-
-@dataclass(frozen=True, kw_only=True)
-class StreamLimits:
-    """How long and how much a resumable stream keeps for a reconnect."""
-
-    grace_period: float = 30.0  # seconds with no reader before the generation is aborted
-    max_stream_bytes: int = 1 << 20  # events kept per stream (oldest dropped first)
-    max_event_age: float = 600.0  # seconds an event is kept
-    max_total_bytes: int = 64 << 20  # events kept over all streams (the largest loses first)
-
-    def __post_init__(self) -> None:
-        for name in ("grace_period", "max_stream_bytes", "max_event_age", "max_total_bytes"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0")
 
 
 def owner_digest(token: str | None) -> bytes:

@@ -26,66 +26,18 @@ from gateway.prompt_text import prompt_text_sizes
 from gateway.reasoning import REASONING_PARSERS
 from gateway.reasoning.think import ThinkParser
 from gateway.requests import AnyRequest, ChatCompletionRequest, CompletionRequest
-from gateway.resumable import StreamLimits, StreamRegistry
+from gateway.resumable import StreamRegistry
+from gateway.settings import GatewaySettings
 from gateway.structured import structured_for, tool_choice_of
 from gateway.tokenizer import Tokenizer
 from gateway.tools.prompt import template_messages
-from gateway.tools.registry import PARSERS, CallSyntax, detect_parser, format_for
+from gateway.tools.registry import CallSyntax, detect_parser, format_for
 from gateway.validate import check_limits, fill_max_tokens, to_sampling
 from ipc.limits import Limits
 from ipc.messages import LoadLoraAdapter, LoraAdapterResult, UnloadLoraAdapter
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTracer
-
-
-@dataclass(frozen=True, kw_only=True)
-class GatewaySettings:
-    api_key: str | None = None
-    max_queued_requests: int | None = None  # requests not yet started by the engine
-    allowed_origins: tuple[str, ...] = ()  # CORS and WebSocket Origin allow-list
-    max_body_bytes: int = 4 * 1024 * 1024
-    tokenizer: str | None = None  # overrides EngineReady.tokenizer
-    # NOTE: SSE `: ping` comments after this many seconds without an event; None: never.
-    # Off by default: neither OpenAI nor vLLM sends any, and `vllm bench serve` strips each
-    # network read, so a ping that arrives alone glues itself to the next event
-    # (docs/operations.md).
-    sse_keepalive_interval: float | None = None
-    chat_template: str | None = None  # a template's text, instead of the tokenizer's own
-    drain_retry_after: int = 5
-    ws_send_queue: int = 256  # frames queued per WebSocket before it is closed 1013
-    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: a span per request
-    split_special_tokens: bool = False  # client text's special-token strings stay plain text
-    header_timeout: float = 10.0  # seconds to send a request's head (line and headers)
-    body_timeout: float = 30.0  # seconds to send a request's whole body, once its head is in
-    # how replies are split into content and tool calls: auto (from the chat template),
-    # or a format of gateway/tools/registry.py FORMATS
-    tool_call_parser: str = "auto"
-    # /v1/responses with store: true (gateway/api/response_store.py): a memory budget in MiB
-    # (0: keep none) and an age in seconds
-    responses_store_mib: int = 64
-    responses_store_ttl: float = 3600.0
-    # splits chat replies into reasoning and answer: None (off) or a gateway/reasoning name
-    reasoning_parser: str | None = None
-    resumable_streams: bool = False  # streams resumable unless a request says `resumable: false`
-    stream_limits: StreamLimits = field(default_factory=StreamLimits)  # grace period, bounds
-    model_management: bool = False  # POST /models/load and /models/unload allowed
-    # LoRA (gateway/api/lora.py): the engines' --enable-lora and --lora-modules, and whether
-    # the load/unload routes are served
-    enable_lora: bool = False
-    lora_modules: tuple[str, ...] = ()
-    allow_runtime_lora_updating: bool = False
-
-    def __post_init__(self) -> None:
-        interval = self.sse_keepalive_interval
-        if interval is not None and not interval > 0:
-            raise ValueError("sse_keepalive_interval must be > 0 (or None: no keep-alive)")
-        if self.tool_call_parser not in PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}")
-        if self.responses_store_mib < 0 or not self.responses_store_ttl > 0:
-            raise ValueError("responses_store_mib must be >= 0 and responses_store_ttl > 0")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
 
 
 def _engine_exception_types() -> tuple[type[BaseException], ...]:

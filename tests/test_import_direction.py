@@ -142,3 +142,17 @@ def test_transformers_still_loads_models_next_to_our_kernels_package(tiny_model_
         "assert out.shape[-1] == 49152\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
+
+
+def test_the_command_line_spawns_before_it_imports_the_web_stack():
+    """`pagedserve serve` spawns its engines with only gateway/cli.py's imports loaded; the web
+    stack (gateway/serving.py) comes after, beside the engines' start."""
+    code = (
+        "import sys\n"
+        "import gateway.cli\n"
+        "web = ('uvicorn', 'starlette', 'structlog', 'gateway.app', 'gateway.service',\n"
+        "       'gateway.serving', 'gateway.generation', 'gateway.tokenizer')\n"
+        "bad = [m for m in web if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)

@@ -13,7 +13,7 @@ import pytest
 from gateway_fakes import FakeEngine, serve
 
 from gateway.app import build_app
-from gateway.service import GatewaySettings
+from gateway.settings import GatewaySettings
 
 HI = {"model": "test-model", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}
 REPLY = "Hello there, how are you today?"

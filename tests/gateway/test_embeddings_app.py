@@ -12,8 +12,8 @@ import pytest
 from gateway_fakes import FakeEngine, serve
 
 from gateway.app import build_app
-from gateway.cli import _Drainer
 from gateway.service import Gateway
+from gateway.serving import _Drainer
 from ipc.messages import TokenDelta
 from ipc.pooling import PoolingInfo
 from ipc.sd_notify import Notifier
@@ -109,7 +109,7 @@ async def test_cancel_by_request_id_ends_every_engine_request(
 
 
 async def test_a_drain_waits_for_pooling_requests(fake_engine: FakeEngine) -> None:
-    """SIGTERM's checklist (gateway/cli.py _Drainer) waits while an embeddings request is in
+    """SIGTERM's checklist (gateway/serving.py _Drainer) waits while an embeddings request is in
     flight, and stops the server once it has answered."""
     fake_engine.interval = 30.0
     gw = Gateway(fake_engine)

@@ -11,7 +11,7 @@ from gateway_fakes import FakeEngine, serve
 
 from gateway.app import build_app
 from gateway.lora_registry import RUNTIME_ENV
-from gateway.service import GatewaySettings
+from gateway.settings import GatewaySettings
 
 LOAD = {"lora_name": "a", "lora_path": "/nowhere"}
 

@@ -29,7 +29,7 @@ from gateway.app import build_app
 from gateway.model_registry import ModelRegistry
 from gateway.model_specs import spec_of
 from gateway.openapi import openapi_document
-from gateway.service import GatewaySettings
+from gateway.settings import GatewaySettings
 from ipc.config import EngineConfig
 
 pytestmark = pytest.mark.timeout(120)

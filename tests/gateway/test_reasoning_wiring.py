@@ -8,7 +8,8 @@ from gateway_fakes import FakeEngine
 from gateway.choice_events import ChoiceEvents, ReasoningDelta, TextDelta
 from gateway.generation import Piece
 from gateway.requests import ChatCompletionRequest, ChatMessage, CompletionRequest
-from gateway.service import Gateway, GatewaySettings
+from gateway.service import Gateway
+from gateway.settings import GatewaySettings
 
 MESSAGES = [ChatMessage(role="user", content="hi")]
 

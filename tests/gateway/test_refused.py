@@ -9,7 +9,7 @@ import pytest
 from gateway_fakes import FakeEngine, serve
 
 from gateway.app import build_app
-from gateway.service import GatewaySettings
+from gateway.settings import GatewaySettings
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": "test-model", "prompt": "hi", "max_tokens": 2}

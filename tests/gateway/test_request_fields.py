@@ -13,7 +13,7 @@ import tokenizers
 from gateway_fakes import FakeEngine, serve
 
 from gateway.app import build_app
-from gateway.service import GatewaySettings
+from gateway.settings import GatewaySettings
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 REFUSED = [

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from gateway.errors import ApiError
-from gateway.resumable import StreamLimits, StreamRegistry, owner_digest, parse_last_event_id
+from gateway.resumable import StreamRegistry, owner_digest, parse_last_event_id
+from gateway.settings import StreamLimits
 
 ALICE, BOB = owner_digest("alice"), owner_digest("bob")
 DONE = b"[DONE]"

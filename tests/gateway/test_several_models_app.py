@@ -19,7 +19,7 @@ from gateway_fakes import FakeEngine, serve
 from gateway.app import build_app
 from gateway.model_registry import ModelRegistry
 from gateway.model_specs import spec_of
-from gateway.service import GatewaySettings
+from gateway.settings import GatewaySettings
 from ipc.config import EngineConfig
 
 HI = [{"role": "user", "content": "hi"}]

@@ -13,7 +13,7 @@ from gateway_fakes import FakeEngine, serve
 
 from gateway.app import build_app
 from gateway.openapi import STATS_SNAPSHOT
-from gateway.service import GatewaySettings
+from gateway.settings import GatewaySettings
 from gateway.stats_stream import quantile
 from ipc.messages import EngineStats
 

@@ -13,7 +13,7 @@ import pytest
 from gateway_fakes import FakeEngine, serve
 
 from gateway.app import build_app
-from gateway.service import GatewaySettings
+from gateway.settings import GatewaySettings
 
 ARGS = {"city": "K\u00f8benhavn \u6771\u4eac", "unit": "celsius"}
 TOOL = {"type": "function", "function": {

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from gateway.app import build_app
 from gateway.cli import build_parser, check_args
-from gateway.service import GatewaySettings
+from gateway.settings import GatewaySettings
 from gateway.tracing import traces_url
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

@@ -11,7 +11,7 @@ import websockets
 from gateway_fakes import FakeEngine, serve
 
 from gateway.app import build_app
-from gateway.service import GatewaySettings
+from gateway.settings import GatewaySettings
 from gateway.ws import Outbox
 
 REQUEST = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}

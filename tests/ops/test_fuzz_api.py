@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 from websockets.sync.client import connect
 
 from gateway.app import build_app
-from gateway.service import GatewaySettings
+from gateway.settings import GatewaySettings
 
 pytestmark = pytest.mark.timeout(120)
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,

@@ -20,7 +20,7 @@ import websockets
 from gateway_fakes import FakeEngine, serve
 
 from gateway.app import build_app
-from gateway.service import GatewaySettings
+from gateway.settings import GatewaySettings
 
 pytestmark = pytest.mark.timeout(60)
 # NOTE: the server's close frame: opcode 8, 17 bytes (code 1013 and "reader too slow")
