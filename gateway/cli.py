@@ -248,7 +248,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 async def _serve(ns: argparse.Namespace) -> int:
     """Spawn the engines, import the web stack while they start, then serve."""
     notifier = Notifier()
-    notifier.status("waiting for the engine" if ns.attach_engine else "starting the engine")
     client = engines_for(ns)
     starting = asyncio.ensure_future(client.start())
     # NOTE: in a thread, so that this loop goes on spawning (one task level per pool or

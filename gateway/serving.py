@@ -60,6 +60,7 @@ async def serve(ns: argparse.Namespace, settings: GatewaySettings,
 
     async def start_engine() -> None:
         nonlocal status
+        notifier.status("waiting for the engine" if ns.attach_engine else "starting the engine")
         try:
             await starting
             log.info("engine.ready", model=gateway.model_name)
