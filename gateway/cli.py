@@ -25,7 +25,6 @@ from gateway.tools.registry import PARSERS
 from ipc import exit_codes
 from ipc.config import EngineConfig, add_engine_args, config_from_args
 from ipc.engine_timeouts import EngineTimeouts
-from ipc.sd_notify import Notifier
 from ipc.transport import check_runtime_dir
 
 _EXEC_MODULES = {"engine": "engine", "generate": "engine.generate"}
@@ -247,14 +246,18 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 async def _serve(ns: argparse.Namespace) -> int:
     """Spawn the engines, import the web stack while they start, then serve."""
-    notifier = Notifier()
     client = engines_for(ns)
     starting = asyncio.ensure_future(client.start())
-    # NOTE: in a thread, so that this loop goes on spawning (one task level per pool or
-    # model) and answering the engines while the import runs
-    serving = await asyncio.get_running_loop().run_in_executor(
-        None, importlib.import_module, "gateway.serving")
-    return await serving.serve(ns, settings_from_args(ns), client, starting, notifier)
+    try:
+        # NOTE: in a thread, so that this loop goes on spawning (one task level per pool or
+        # model) and answering the engines while the import runs
+        serving = await asyncio.get_running_loop().run_in_executor(
+            None, importlib.import_module, "gateway.serving")
+    except BaseException:  # NOTE: no engine left running behind a gateway that never served
+        starting.cancel()
+        await client.close(timeout=0)
+        raise
+    return await serving.serve(ns, settings_from_args(ns), client, starting)
 
 
 def settings_from_args(ns: argparse.Namespace) -> GatewaySettings:

@@ -48,12 +48,12 @@ def configure_logging(level: str) -> None:
 
 
 async def serve(ns: argparse.Namespace, settings: GatewaySettings,
-                client: Engines | ModelRegistry, starting: asyncio.Future[None],
-                notifier: Notifier) -> int:
+                client: Engines | ModelRegistry, starting: asyncio.Future[None]) -> int:
     """Serve until drained, `client` being started by `starting`; returns the exit status
     (ipc.exit_codes)."""
     configure_logging(ns.log_level)
     gateway = Gateway(client, settings)
+    notifier = Notifier()
     drainer = _Drainer(gateway, ns.shutdown_timeout, notifier)
     server = _Server(_uvicorn_config(ns, gateway), drainer)
     status = exit_codes.OK
