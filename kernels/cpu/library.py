@@ -22,11 +22,13 @@ _BASE = ["-O3", "-fPIC", "-std=gnu11"]
 FAST_NATIVE = [*_BASE, "-march=native", "-ffast-math", "-fopenmp"]
 EXACT_NATIVE = [*_BASE, "-march=native", "-ffp-contract=off", "-fopenmp"]
 PORTABLE = [*_BASE, "-fopenmp"]
-# NOTE: decode.c's 16-float vectors are registers only with AVX-512. Elsewhere gcc -O3 spends
-# minutes lowering them (decode.c alone: 118 s for -march=haswell, 68 s for x86-64, 8 s native
-# on AVX-512; -O2: 5-7 s), so -O3 only where this CPU has AVX-512. There -O2 would cost up to
-# 1.5x in bench.attention's decode (0.67-0.87 against 1.03-1.33 of SDPA's time).
-DECODE = FAST_NATIVE if "avx512f" in cc_build.cpu_flags().split() else [*FAST_NATIVE, "-O2"]
+# NOTE: decode.c's vectors are 16 floats with AVX-512 and 8 with AVX2 alone (its attend8),
+# registers either way. Elsewhere (baseline x86-64) gcc -O3 spends minutes lowering the 16-float
+# ones (68 s; 118 s for -march=haswell before attend8), so -O2 there (5-7 s). With AVX2, -O3
+# builds decode.c in 8 s, and -O2 left attend8's per-token loops rolled, their vectors stored
+# and reloaded each step: 2.0x slower.
+_FLAGS = cc_build.cpu_flags().split()
+DECODE = FAST_NATIVE if "avx512f" in _FLAGS or "avx2" in _FLAGS else [*FAST_NATIVE, "-O2"]
 SOURCES: tuple[tuple[str, list[str]], ...] = (
     ("decode.c", DECODE),  # paged decode attention, KV writes
     ("ops.c", EXACT_NATIVE),  # add + RMSNorm, rope, argmax
