@@ -75,6 +75,14 @@ def test_attend8_matches_float64(avx2_decode, group, head_dim, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_attend8_head_dim_256_matches_float64(avx2_decode, group, kv_dtype):
+    """Gemma 2 and 3's heads: one KV head (270M, 1B: 4 query heads each) or several (2 each)."""
+    _check(avx2_decode, DECODES, group, 256, kv_dtype, num_threads=2,
+           kv_heads=1 if group == 4 else 2)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
 @pytest.mark.parametrize(("seqs", "num_threads"), [([(2100, 1)], 2), ([(600, 1), (3, 1)], 8),
                                                    ([(700, 1)], 1)])
 def test_attend8_split_kv_matches_float64(avx2_decode, seqs, num_threads, kv_dtype):
@@ -82,9 +90,10 @@ def test_attend8_split_kv_matches_float64(avx2_decode, seqs, num_threads, kv_dty
 
 
 @pytest.mark.parametrize("window", [1, 5, 17, 100, 1000])
-def test_attend8_windows_match_float64(avx2_decode, window):
-    _check(avx2_decode, [(40, 1), (16, 1), (0, 1), (70, 1), (250, 1)], 4, 64, torch.float16,
-           num_threads=2, window=window)
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_attend8_windows_match_float64(avx2_decode, window, head_dim):
+    _check(avx2_decode, [(40, 1), (16, 1), (0, 1), (70, 1), (250, 1)], 4, head_dim,
+           torch.float16, num_threads=2, window=window)
 
 
 def test_attend8_pages_of_8_and_32(avx2_decode):
@@ -95,3 +104,4 @@ def test_attend8_pages_of_8_and_32(avx2_decode):
 def test_attend8_other_shapes_take_the_scalar_attend(avx2_decode):
     _check(avx2_decode, DECODES, 3, 32, torch.float16, num_threads=2)
     _check(avx2_decode, DECODES, 12, 64, torch.float32, num_threads=2)
+    _check(avx2_decode, DECODES, 3, 256, torch.float16, num_threads=2)
