@@ -9,7 +9,9 @@ Each server is started (or, for --url, taken as running), timed from start to it
 /v1/models (time to ready), then every concurrency runs the same completions (a 128-word prompt,
 128 output tokens, greedy, streamed) through bench/loadgen.py; the resident memory of the
 server's process tree and of its engine process (pagedserve's `-m engine` child; llama.cpp's
-server is one process) is read at ready and sampled throughout (peaks reported). For the memory
+server is one process) is read at ready and sampled throughout (peaks reported), and each
+point reports the CPU milliseconds per output token of every server process (gateway, engine)
+and of the client, from /proc and getrusage, to show where the cores go. For the memory
 comparison, `--kv-match` gives pagedserve's KV pool llama.cpp's context (`--n-ctx` tokens) in
 float16, as llama.cpp stores its cache by default, and no swap space (which would hold more KV).
 llama.cpp's server (llama-cpp-python, in its own venv) is started with `--interrupt_requests
@@ -23,12 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -47,21 +52,63 @@ from bench.workloads import RequestSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def process_rss(pid: int) -> dict[str, int]:
-    """Resident bytes of a process and each of its descendants, by command line."""
+def _process_tree(pid: int, read: Callable[[int], Any]) -> dict[str, Any]:
+    """read(p) for a process and each of its descendants, by "pid command line"."""
     found, todo = {}, [pid]
     while todo:
         p = todo.pop()
         try:
             cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-            found[f"{p} {cmd}"] = int(Path(f"/proc/{p}/statm").read_text().split()[1]) * _PAGE
+            found[f"{p} {cmd}"] = read(p)
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, ValueError):
             continue
     return found
+
+
+def process_rss(pid: int) -> dict[str, int]:
+    """Resident bytes of a process and each of its descendants, by command line."""
+    return _process_tree(pid, lambda p: int(Path(f"/proc/{p}/statm").read_text().split()[1])
+                         * _PAGE)
+
+
+def _cpu_seconds(p: int) -> float:
+    """User + system CPU seconds of process p, all its threads (not its children's)."""
+    fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def process_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of a process and each of its descendants, by command line."""
+    return _process_tree(pid, _cpu_seconds)
+
+
+def client_cpu() -> float:
+    """CPU seconds so far of this process: the load generator (and the RSS sampler)."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
+def cpu_per_token(before: dict[str, float], after: dict[str, float], client: float,
+                  tokens: int) -> dict[str, float]:
+    """CPU ms per output token of each server process alive at both reads, and the client's."""
+    if not tokens:
+        return {}
+    per = {k: 1e3 * (after[k] - before[k]) / tokens for k in before if k in after}
+    return {**per, "client": 1e3 * client / tokens}
+
+
+def _short(label: str) -> str:
+    """"engine", "gateway" or the program's name, for a process's "pid command" label."""
+    if " -m engine " in label:
+        return "engine"
+    if " -m gateway" in label:
+        return "gateway"
+    return "client" if label == "client" else Path(label.split()[1]).name
 
 
 def tree_rss(pid: int) -> int:
@@ -166,7 +213,10 @@ def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float) -> None:
     raise TimeoutError(f"{url} never became ready")
 
 
-async def run_points(url: str, kind: str, args: argparse.Namespace) -> list[dict]:
+async def run_points(url: str, kind: str, args: argparse.Namespace,
+                     pid: int | None = None) -> list[dict]:
+    """Every concurrency's point; with the server's pid, also the CPU each of its processes
+    and the client spent per output token (`cpu_ms_per_output_token`)."""
     async with client_session() as client:
         model = await first_model(client, url)
         extra = (("logit_bias", {str(args.eos_token_id): -100}),) if kind == "llama.cpp" else ()
@@ -181,14 +231,21 @@ async def run_points(url: str, kind: str, args: argparse.Namespace) -> list[dict
         for conc in args.concurrency:
             n = max(conc, args.min_requests)
             jobs = [(make_prompt(args.prompt_len, rng), spec) for _ in range(n)]
+            cpu0, own0 = process_cpu(pid) if pid else {}, client_cpu()
             recs, secs = await run_concurrency(client, target, jobs, conc, args.duration,
                                                args.drain_timeout, lambda: None)
+            cpu1, own1 = process_cpu(pid) if pid else {}, client_cpu()
             points.append({"concurrency": conc, **summarize(recs, secs, SLO(1e9, 1e9))})
             p = points[-1]
+            p["cpu_ms_per_output_token"] = cpu_per_token(cpu0, cpu1, own1 - own0,
+                                                         p["output_tokens"])
             itl = (p["itl_s"] or {}).get("p50")
+            cpu = ", ".join(f"{_short(k)} {v:.2f}"
+                            for k, v in p["cpu_ms_per_output_token"].items())
             print(f"  {kind} c={conc}: {p['output_tokens_per_s']:.1f} tok/s, ITL p50 "
                   f"{itl * 1e3 if itl else float('nan'):.1f} ms, "
-                  f"ok {p['num_ok']}/{p['num_requests']} {p['errors'] or ''}", flush=True)
+                  f"ok {p['num_ok']}/{p['num_requests']} {p['errors'] or ''}; CPU ms per "
+                  f"token: {cpu}", flush=True)
         return points
 
 
@@ -206,7 +263,7 @@ def bench_server(kind: str, args: argparse.Namespace, url: str | None = None) ->
         ready = time.monotonic() - start
         by_process = process_rss(proc.pid) if proc else {}
         with RssSampler(proc.pid if proc else os.getpid()) as rss:
-            points = run_client(run_points(url, kind, args))
+            points = run_client(run_points(url, kind, args, proc.pid if proc else None))
             rss.sample()  # NOTE: the end of the last point too, whatever the interval
         return {"server": kind, "url": url, "time_to_ready_s": ready if proc else None,
                 "rss_ready_bytes": sum(by_process.values()) if proc else None,

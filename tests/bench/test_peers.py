@@ -130,3 +130,32 @@ def test_ratios_are_against_llama_server_when_the_run_has_it() -> None:
     assert "| vs llama-server | vs float32 |" in text
     assert "| quantized | 8 | 300.0 | 10.0 | 3.00x tok/s | - |" in text
     assert "| quantized | 2.0 | 1024 | 512 | 1024 | 512 | 2.00x / 2.00x |" in text
+
+
+def test_process_cpu_counts_a_busy_child_apart_from_an_idle_one() -> None:
+    """The busy child reports its own CPU time (time.process_time, an independent clock)."""
+    busy = ("import sys, time\n"
+            "while time.process_time() < 0.4: pass\n"
+            "print(time.process_time(), flush=True); time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", busy], stdout=subprocess.PIPE, text=True)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        own = float(child.stdout.readline())
+        cpu = peers.process_cpu(os.getpid())
+        by_pid = {int(k.split()[0]): v for k, v in cpu.items()}
+        assert by_pid[child.pid] == pytest.approx(own, abs=0.05)
+        assert by_pid[idle.pid] < 0.2  # the interpreter's start, no loop
+    finally:
+        child.kill(), idle.kill()
+        child.wait(), idle.wait()
+
+
+def test_cpu_per_token_divides_each_process_and_the_client_by_the_tokens() -> None:
+    before = {"1 python -m gateway.cli serve": 1.0, "2 python -m engine --model": 5.0,
+              "3 gone": 0.5}
+    after = {"1 python -m gateway.cli serve": 1.5, "2 python -m engine --model": 7.0}
+    per = peers.cpu_per_token(before, after, client=0.25, tokens=500)
+    assert per == pytest.approx({"1 python -m gateway.cli serve": 1.0,
+                                 "2 python -m engine --model": 4.0, "client": 0.5})
+    assert [peers._short(k) for k in per] == ["gateway", "engine", "client"]
+    assert peers.cpu_per_token(before, after, client=0.25, tokens=0) == {}
