@@ -129,6 +129,7 @@ class EngineClient:
         self._shared = sockets is not None
         self._pump: SocketPump | None = None  # its own sockets (not shared)
         self._proc: asyncio.subprocess.Process | None = None
+        self._spawning: asyncio.Future[None] | None = None  # the spawn in flight (_launch)
         self._incarnation: str | None = None
         self._identity: bytes | None = None
         self._dead: set[str] = set()
@@ -195,6 +196,8 @@ class EngineClient:
         if self._first_ready is not None and not self._first_ready.done():
             self._first_ready.set_exception(EngineUnavailableError("closed before ready"))
             self._first_ready.exception()  # NOTE: marks it retrieved if start() was cancelled
+        if self._spawning is not None:  # NOTE: an engine forked while start() was cancelled
+            await asyncio.gather(self._spawning, return_exceptions=True)
         proc = self._proc
         if proc is not None and proc.returncode is None:
             if self._identity is not None:
@@ -411,6 +414,8 @@ class EngineClient:
 
     async def _launch(self) -> None:
         assert self._sockets is not None
+        if self._closing:
+            return
         self._incarnation = uuid.uuid4().hex[:12]
         argv = [*self._command, *self.config.to_cli_args(),
                 "--input-addr", self._sockets.input_addr,
@@ -419,11 +424,21 @@ class EngineClient:
                 "--heartbeat-interval", str(self.heartbeat_interval),
                 "--parent-pid", str(os.getpid())]
         self._launched_at = time.monotonic()
-        # NOTE: its own session, so that killing its process group takes every child with it.
-        self._proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, env=_child_env(), start_new_session=True)
+        # NOTE: shielded, and close() waits for it: a start() cancelled mid-spawn (the web
+        # stack's import failed) must still leave close() the process it forked to kill
+        self._spawning = asyncio.ensure_future(self._spawn(argv))
+        await asyncio.shield(self._spawning)
         log.info("started engine %s (pid %d)", self._incarnation, self._proc.pid)
         self._spawn_task(self._watch_exit(self._proc, self._incarnation))
+
+    async def _spawn(self, argv: list[str]) -> None:
+        try:
+            # NOTE: its own session, so that killing its process group takes every child
+            self._proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, env=_child_env(),
+                start_new_session=True)
+        finally:
+            self._spawning = None
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
