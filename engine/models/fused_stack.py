@@ -1,6 +1,7 @@
 """The decoder stack of a plain decode step in one C call (kernels/cpu/fused.py) for
-Llama-layout models whose projections are all quantized: packed tiles, or raw-block segments
-where the CPU or the type has no packed tiles (every type on an AVX2-only CPU).
+Llama-layout models whose projections are all quantized: packed tiles (Q4_0/Q4_1/Q8_0 and
+the K-quants, on AVX-512 VNNI), or raw-block segments where the CPU or the type has no packed
+tiles (every type on an AVX2-only CPU).
 
 `DecodeStack.build(model)` says whether a model qualifies (else None: its layers always run
 one by one); `fits` decides per step (every row one token, KV pools of a dtype the driver
@@ -18,8 +19,7 @@ from engine.models.llama import DecoderLayer, LlamaForCausalLM, RotaryEmbedding
 from engine.models.quant_linear import PREFILL_ROWS, QuantLinear, QuantMLP
 from engine.run.forward_context import get_forward_context
 from kernels.cpu import fused as cpu_fused
-from kernels.cpu import quant as cpu_quant
-from kernels.cpu.blocks import Segment
+from kernels.cpu.blocks import PackedSegment, Segment
 from kernels.cpu.lora import SlotWeights
 
 
@@ -34,8 +34,8 @@ class DecodeStack:
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> DecodeStack | None:
         """The stack for `model`, or None where a layer has anything the driver lacks (biases,
-        q/k norms, windows, soft-caps, Gemma's extra norms, dense segments, K-quant packed
-        tiles, a dense MLP) or the C kernels cannot run here."""
+        q/k norms, windows, soft-caps, Gemma's extra norms, dense segments, packed parts
+        beside raw ones, a dense MLP) or the C kernels cannot run here."""
         layers = [_layer_weights(layer) for layer in model.layers]
         if not layers or None in layers or not cpu_fused.available():
             return None
@@ -114,27 +114,23 @@ def _layer_weights(layer: torch.nn.Module) -> cpu_fused.LayerWeights | None:
     qkv, o = _segments(attn.qkv_proj), _segments(attn.o_proj)
     if qkv is None or o is None:
         return None
-    if mlp.segments is None:  # packed tiles
-        gate_up = ([(mlp.gate_up.data, mlp.gate_up.type_id)], True)
-        down = ([(mlp.down.data, mlp.down.type_id)], True)
+    if mlp.segments is None:  # packed tiles (QuantMLP: both of one library's types)
+        gate_up = ([(mlp.gate_up.data, mlp.gate_up.type_id, mlp.gate_up.rows)], True)
+        down = ([(mlp.down.data, mlp.down.type_id, mlp.down.rows)], True)
     else:
         gate_up, down = ((segments, False) for segments in mlp.segments)
     products = (qkv, o, gate_up, down)
-    # NOTE(hook, issue 31): packed tiles go to quant_packed.c's kernels, not quant_kpacked.c's
-    if any(packed and t not in cpu_quant.PACKED_TYPES
-           for segments, packed in products for _, t in segments):
-        return None
     return cpu_fused.LayerWeights(*norms, *(segments for segments, _ in products),
                                   packed=tuple(packed for _, packed in products))
 
 
-def _segments(proj: torch.nn.Module) -> tuple[list[Segment], bool] | None:
+def _segments(proj: torch.nn.Module) -> tuple[list[Segment | PackedSegment], bool] | None:
     """A projection's (segments, packed) for the driver, or None where it has a bias or a
-    dense part."""
+    dense part, or mixes packed and raw parts."""
     if not isinstance(proj, QuantLinear):
         return None
-    one = proj.packed_weight
-    if one is not None:
-        return [(one.data, one.type_id)], True
+    packed = proj.packed_segments
+    if packed is not None:
+        return packed, True
     segments = proj.block_segments
     return None if segments is None else (segments, False)

@@ -128,8 +128,11 @@ class QuantLinear(nn.Module):
         self._product = cpu_quant.PackedProduct(one.data, one.type_id, one.rows, one.cols,
                                                 numerics) if (
             len(self.parts) == 1 and one.packed and self.bias is None) else None
-        segments = self.block_segments
-        if self._product is None and segments is not None:
+        segments, packed = self.block_segments, self.packed_segments
+        if self._product is None and packed is not None:
+            # NOTE: parts of different packed types (Q4_K_M's q|k Q4_K and v Q6_K)
+            self._product = cpu_blocks.PackedPartsProduct(packed, self.in_features, numerics)
+        elif self._product is None and segments is not None:
             self._product = cpu_blocks.BlockProduct(segments, self.in_features, numerics)
             self._rows_limit = PREFILL_ROWS  # NOTE: raw blocks expand past it in both numerics
 
@@ -142,6 +145,16 @@ class QuantLinear(nn.Module):
             return None
         segments = [(p.data, p.type_id) for p in self.parts]
         return segments if cpu_blocks.takes(segments, self.in_features) else None
+
+    @property
+    def packed_segments(self) -> list[cpu_blocks.PackedSegment] | None:
+        """The layer's parts as (tiles, type id, rows) segments when every part is packed and
+        there is no bias (kernels/cpu/blocks.py's PackedPartsProduct takes them; so does
+        kernels/cpu/csrc/fused.c), else None."""
+        if self.bias is not None or not all(p.packed for p in self.parts):
+            return None
+        segments = [(p.data, p.type_id, p.rows) for p in self.parts]
+        return segments if cpu_blocks.takes_packed(segments, self.in_features) else None
 
     @property
     def packed_weight(self) -> QuantWeight | None:

@@ -1,8 +1,8 @@
 """A decode step's decoder stack in one C call (csrc/fused.c) over quantized layers, packed
-tiles or raw-block segments: the driver calls ops.c's norms and rope, quant_packed.c's or
-mlp_blocks.c's products, mlp.c's or mlp_blocks.c's MLP, decode.c's KV write and decode
-attention and lora.c's per-row LoRA deltas directly, all in the one CPU library
-(kernels/cpu/library.py).
+tiles or raw-block segments: the driver calls ops.c's norms and rope, quant_packed.c's,
+quant_kpacked.c's or mlp_blocks.c's products, mlp.c's, quant_kpacked.c's or mlp_blocks.c's
+MLP, decode.c's KV write and decode attention and lora.c's per-row LoRA deltas directly, all
+in the one CPU library (kernels/cpu/library.py).
 
 NOTE: 30 layers of SmolLM2-135M cost about 2.9 ms of Python and torch per decoded token
 between the kernels (a8: 9.2 ms per token, of which the products 5.3 and attention 1.0).
@@ -16,11 +16,11 @@ import sys
 import torch
 
 from kernels.cpu import library
-from kernels.cpu.blocks import BlockParts, Segment
+from kernels.cpu.blocks import BlockParts, PackedSegment, Segment
 from kernels.cpu.decode import MAX_BLOCK, MAX_GROUP, MAX_ROWS
 from kernels.cpu.library import available, build_error
 from kernels.cpu.lora import LoraWeights, SlotWeights
-from kernels.cpu.quant import ACTIVATIONS, NUMERICS
+from kernels.cpu.quant import ACTIVATIONS, NUMERICS, fuses
 
 __all__ = ["KV_DTYPES", "DecodeStack", "LayerWeights", "available", "build_error", "runs_with"]
 
@@ -49,12 +49,9 @@ class _Layer(ctypes.Structure):
                 *[(f"{n}_lora", LoraWeights) for n in _PRODUCTS]]
 
 
-def _product(segments: list[Segment], packed: bool, k: int) -> _Product:
+def _product(segments: list[Segment] | list[PackedSegment], packed: bool, k: int) -> _Product:
     if packed:
-        (tiles, type_id), = segments
-        parts = BlockParts()
-        parts.data[0], parts.type[0], parts.parts = tiles.data_ptr(), type_id, 1
-        return _Product(1, parts)
+        return _Product(1, BlockParts.of_packed(segments, k))
     return _Product(0, BlockParts.of(segments, k))
 
 
@@ -66,18 +63,26 @@ def runs_with(backend: object) -> bool:
 class LayerWeights:
     """One layer's tensors: norms float32 [hidden]; the products qkv [(heads + 2 kv_heads)
     head_dim, hidden] (q, k, v rows in that order), o [hidden, heads head_dim], gate_up
-    [2 inter, hidden] (gate rows first), down [hidden, inter], each as (tensor, ggml type id)
-    segments: one packed tiles tensor (kernels/cpu/quant.py's `pack`) with packed True, or
-    raw blocks [rows, row_bytes] stacked in order (kernels/cpu/blocks.py's) with packed
-    False (`packed`: one flag per product, in that order; gate_up's and down's equal)."""
+    [2 inter, hidden] (gate rows first), down [hidden, inter], each as row segments stacked
+    in order: packed tiles (kernels/cpu/blocks.py's PackedSegment: kernels/cpu/quant.py's
+    `pack` of each part) with packed True, or raw blocks [rows, row_bytes] (its Segment) with
+    packed False (`packed`: one flag per product, in that order). gate_up and down are both
+    packed or both raw; packed, one segment each, of one library's types (quant.fuses)."""
 
     def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor,
-                 qkv: list[Segment], o: list[Segment], gate_up: list[Segment],
-                 down: list[Segment], packed: tuple[bool, bool, bool, bool]) -> None:
+                 qkv: list[Segment] | list[PackedSegment],
+                 o: list[Segment] | list[PackedSegment],
+                 gate_up: list[Segment] | list[PackedSegment],
+                 down: list[Segment] | list[PackedSegment],
+                 packed: tuple[bool, bool, bool, bool]) -> None:
         self.input_norm, self.post_norm = input_norm, post_norm
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         if packed[2] != packed[3]:
             raise ValueError("gate_up and down must be both packed or both raw blocks")
+        if packed[2] and (len(gate_up) != 1 or len(down) != 1
+                          or not fuses(gate_up[0][1], down[0][1])):
+            raise ValueError("packed gate_up and down must be one segment each, of one "
+                             "library's types")
         self.packed = dict(zip(_PRODUCTS, packed, strict=True))
 
 

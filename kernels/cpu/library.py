@@ -72,6 +72,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "quant_mlp_packed": ([_i32, _p, _i32, _p, _i64, _i64, _p, _i64, _p, _i32, _i32, _p, _i32],
                          _i32),
     "quant_matmul_parts": ([_p, _i64, _p, _i64, _i64, _p, _i64, _i32, _i32, _i32], _i32),
+    "quant_matmul_packed_parts": ([_p, _i64, _p, _i64, _i64, _p, _i64, _i32, _i32], _i32),
     "quant_mlp_blocks": ([_p, _p, _i64, _i64, _p, _i64, _p, _i32, _i32, _p, _i32, _i32], _i32),
     "kq_isa_supported": ([], _i32),
     "kq_packed_bytes": ([_i32, _i64, _i64], _i64),

@@ -28,7 +28,7 @@ from kernels.cpu.library import available, build_error
 __all__ = ["ACTIVATIONS", "BLOCKS", "ISAS", "NUMERICS", "PACKED_TYPES", "TYPE_NAMES",
            "PackedMLP", "PackedProduct", "available", "best_isa", "build_error",
            "dequantize_rows", "isa_supported", "matmul", "pack", "packed_kmajor",
-           "packed_matmul", "packed_rows", "packs", "row_bytes"]
+           "packed_bytes", "packed_matmul", "packed_rows", "packs", "row_bytes"]
 
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 NUMERICS = {"a32": 0, "a8": 1}
@@ -150,16 +150,22 @@ def pack(blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
     n = blocks.shape[0]
     if not packs(type_id, k) or blocks.shape[1] != row_bytes(type_id, k):
         raise ValueError(f"cannot pack {TYPE_NAMES.get(type_id, type_id)} blocks of width {k}")
-    out = torch.empty(_packed_fn(type_id, "packed_bytes")(type_id, n, k), dtype=torch.uint8)
+    out = torch.empty(packed_bytes(type_id, n, k), dtype=torch.uint8)
     if _packed_fn(type_id, "pack")(type_id, blocks.data_ptr(), n, k, out.data_ptr()):
         raise RuntimeError("quant_pack failed")
     return out
 
 
+def packed_bytes(type_id: int, n: int, k: int) -> int:
+    """The bytes of a packed [n, k] W of this type (`pack`'s output); negative for a shape or
+    type the packed kernels do not take."""
+    return _packed_fn(type_id, "packed_bytes")(type_id, n, k)
+
+
 def _check_packed(packed: torch.Tensor, type_id: int, n: int, k: int) -> None:
     if packed.dtype != torch.uint8 or not packed.is_contiguous():
         raise ValueError("packed must be a contiguous uint8 tensor")
-    if packed.numel() != _packed_fn(type_id, "packed_bytes")(type_id, n, k):
+    if packed.numel() != packed_bytes(type_id, n, k):
         raise ValueError(f"packed holds {packed.numel()} bytes, not a packed "
                          f"{TYPE_NAMES.get(type_id, type_id)} [{n}, {k}]")
 

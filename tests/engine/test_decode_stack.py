@@ -2,7 +2,8 @@
 GGUF files: against the per-layer path on the same model and KV state, and where it must
 leave a step to the per-layer path. A Q4_1 file runs packed tiles on AVX-512 and raw-block
 segments elsewhere; a Q4_K_M-like file (q/k/gate/up Q4_K, v and down Q6_K: two segments in
-one fused qkv) runs raw-block segments on every CPU (its load packs nothing). Greedy parity with
+one fused qkv) runs raw-block segments on every CPU (loaded packing nothing), and on AVX-512
+VNNI also quant_kpacked.c's tiles (loaded as usual: the K-quants pack). Greedy parity with
 `--quantization none` while the stack runs is checked in test_quantized.py
 (test_gguf_a32_equals_dequantized).
 """
@@ -19,6 +20,7 @@ from engine import LLM, SamplingParams
 from engine.run.forward_context import ForwardContext, forward_context
 from kernels.attention import cpu_backend, torch_backend
 from kernels.cpu import fused as cpu_fused
+from kernels.cpu import kquant as cpu_kquant
 from kernels.cpu import quant as cpu_quant
 from kernels.cpu.ggml_types import Q4_K, Q6_K
 
@@ -42,14 +44,16 @@ def q4_k_m_gguf(wide_model_dir, tmp_path_factory):
                            "Q4_K", overrides=Q4_K_M)
 
 
-@pytest.fixture(scope="module", params=["Q4_1-a32", "Q4_1-a8", "Q4_K_M-a32", "Q4_K_M-a8"])
+@pytest.fixture(scope="module", params=["Q4_1-a32", "Q4_1-a8", "Q4_K_M-a32", "Q4_K_M-a8",
+                                        "Q4_K_M-packed-a32", "Q4_K_M-packed-a8"])
 def llm(request, q4_1_gguf, q4_k_m_gguf, bundled_tokenizer_dir):
-    kind, numerics = request.param.split("-")
+    kind, *packed, numerics = request.param.split("-")
     path = q4_1_gguf if kind == "Q4_1" else q4_k_m_gguf
+    if packed:
+        c_build.require_isa("avx512", cpu_kquant.available())
     with pytest.MonkeyPatch.context() as patch:
-        if kind == "Q4_K_M":
-            # NOTE: raw-block segments on every CPU: where the K-quants pack (AVX-512 VNNI),
-            # the stack would not take their tiles (issue 31's hook), so this load packs none
+        if kind == "Q4_K_M" and not packed:
+            # NOTE: raw-block segments on every CPU: this load packs none
             patch.setattr(cpu_quant, "packs", lambda type_id, k: False)
         return LLM(str(path), tokenizer=str(bundled_tokenizer_dir), max_model_len=256,
                    num_gpu_blocks=64, quantization="gguf", quantization_numerics=numerics)
@@ -57,7 +61,7 @@ def llm(request, q4_1_gguf, q4_k_m_gguf, bundled_tokenizer_dir):
 
 @pytest.mark.parametrize("kv_dtype", list(cpu_fused.KV_DTYPES))
 @pytest.mark.parametrize("lens", [[1], [40], [1, 17, 40, 100], [16, 33, 250, 2, 64, 5, 129]])
-def test_stack_equals_the_per_layer_path(llm, lens, kv_dtype):
+def test_stack_equals_the_per_layer_path(llm, lens, kv_dtype, request):
     """Same model, same KV state: the same hidden states and KV writes, for each pool dtype
     the driver takes. NOTE: tolerance 0: the driver calls the per-layer path's own kernels
     with the same arguments (seen bit-equal for a32 and a8)."""
@@ -65,9 +69,11 @@ def test_stack_equals_the_per_layer_path(llm, lens, kv_dtype):
     model, stack = runner.model, runner.model.decode_stack
     assert stack is not None
     qkv = model.layers[0].self_attn.qkv_proj
-    segments = [] if qkv.packed_weight is not None else qkv.block_segments
-    if any(t == Q4_K for _, t in segments):
-        assert [t for _, t in segments] == [Q4_K, Q6_K]  # q|k, then v: two in one product
+    types = [s[1] for s in qkv.packed_segments or qkv.block_segments]
+    if Q4_K in types:
+        assert types == [Q4_K, Q6_K]  # q|k, then v: two in one product
+        # NOTE: the K-quants' tiles where they pack, else raw blocks
+        assert (qkv.packed_segments is not None) == ("packed" in request.node.callspec.id)
     gen = torch.Generator().manual_seed(len(lens))
     state = random_state(runner, gen, kv_dtype)
     ids, positions, meta = decode_batch(lens, [1] * len(lens), runner.block_size, gen)

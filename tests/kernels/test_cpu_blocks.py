@@ -1,6 +1,7 @@
 """kernels/cpu/blocks.py (csrc/mlp_blocks.c): products of several raw-block segments of their
 own types, and the one-call MLP over them, against float64 of the `gguf` package's
-dequantized weights and torch's float64 activations, on every ISA this CPU has (forced).
+dequantized weights and torch's float64 activations, on every ISA this CPU has (forced); and
+the product of such segments packed (csrc/quant_packed.c's quant_matmul_packed_parts).
 """
 
 from __future__ import annotations
@@ -65,6 +66,28 @@ def test_a_product_of_segments_of_three_types_is_the_stacked_matrix(isa: str) ->
                 assert err.max() <= 2e-2 * np.abs(ref).max(), f"{isa} a8 M={m}"
 
 
+def test_a_product_of_packed_segments_of_two_libraries_is_the_stacked_matrix() -> None:
+    """The same three segments packed (Q4_K and Q6_K in quant_kpacked.c's tiles, Q8_0 in
+    quant_packed.c's; AVX-512 VNNI): PackedPartsProduct within the same bounds of float64."""
+    c_build.require_isa("avx512", cpu_quant.isa_supported("avx512"))
+    rng = np.random.default_rng(1)
+    k = 512
+    segs, w = segments([(Q4_K, 19), (Q6_K, 11), (Q8_0, 7)], k, rng)
+    packed = [(cpu_quant.pack(b, t, k), t, b.shape[0]) for b, t in segs]
+    for m in (1, 3, 17, 64):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        ref = x.astype(np.float64) @ w.T
+        for numerics in ("a32", "a8"):
+            out = torch.empty(m, 37)
+            cpu_blocks.PackedPartsProduct(packed, k, numerics)(torch.from_numpy(x), out)
+            err = np.abs(out.double().numpy() - ref)
+            if numerics == "a32":
+                bound = k * 2.0**-23 * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-30
+                assert (err <= bound).all(), f"a32 M={m}: {err.max():.2e}"
+            else:
+                assert err.max() <= 2e-2 * np.abs(ref).max(), f"a8 M={m}"
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_the_mlp_over_segments_matches_float64(isa: str) -> None:
     """gate Q4_K and up Q6_K stacked (Q4_K_M's mix), down Q5_0 then Q8_0; both activations:
@@ -101,3 +124,11 @@ def test_segments_the_product_cannot_take_are_refused() -> None:
         cpu_blocks.BlockProduct([], k, "a32")
     with pytest.raises(ValueError, match="must stack"):
         cpu_blocks.BlockMLP([(ok, Q8_0)], [(ok, Q8_0)], k, k, "a32", "silu")
+    tiles = torch.zeros(cpu_quant.packed_bytes(Q8_0, 4, k), dtype=torch.uint8)
+    assert cpu_blocks.takes_packed([(tiles, Q8_0, 4)], k)
+    assert not cpu_blocks.takes_packed([(tiles, Q8_0, 17)], k)  # 17 rows: two tiles
+    assert not cpu_blocks.takes_packed([(tiles[:-1], Q8_0, 4)], k)
+    assert not cpu_blocks.takes_packed([(ok, Q8_0, 4)], k)  # raw blocks, not tiles
+    assert not cpu_blocks.takes_packed([(tiles, Q8_0, 4)] * (cpu_blocks.MAX_PARTS + 1), k)
+    with pytest.raises(ValueError, match="packed segments of width 256"):
+        cpu_blocks.PackedPartsProduct([], k, "a32")

@@ -90,6 +90,9 @@ typedef struct {
 
 int quant_matmul_parts(const BlockParts *w, int64_t K, const float *x, int64_t xs, int64_t M,
                        float *out, int64_t os, int numerics, int isa, int num_threads);
+/* the same over packed tiles, each part of its own type (quant_packed.c) */
+int quant_matmul_packed_parts(const BlockParts *w, int64_t K, const float *x, int64_t xs,
+                              int64_t M, float *out, int64_t os, int numerics, int num_threads);
 int quant_mlp_blocks(const BlockParts *gu, const BlockParts *dn, int64_t I, int64_t H,
                      const float *x, int64_t M, float *out, int numerics, int act,
                      const MlpLora *lora, int isa, int num_threads);

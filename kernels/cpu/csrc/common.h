@@ -110,4 +110,11 @@ static inline int block_bytes(int type)
 #undef GGML_ELEMS_
 #undef GGML_BYTES_
 
+/* the types whose packed tiles are quant_kpacked.c's (kq_*); quant_packed.c's (quant_*) hold
+ * Q4_0, Q4_1 and Q8_0 */
+static inline int kq_type(int type)
+{
+    return type == T_Q5_0 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+}
+
 #endif

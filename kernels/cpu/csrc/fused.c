@@ -5,9 +5,9 @@
  * with a LoRA adapter get its delta (lora.c) after each adapted product: qkv and o here,
  * gate_up (before the activation) and down inside the MLP's call.
  *
- * No kernel is written here: ops.c, quant_packed.c, mlp.c, mlp_blocks.c and decode.c keep
- * theirs (with their own compile flags) and this driver calls them in the same library
- * (api.h). Each kernel opens its own OpenMP region and they run one after another from this
+ * No kernel is written here: ops.c, quant_packed.c, quant_kpacked.c, mlp.c, mlp_blocks.c and
+ * decode.c keep theirs (with their own compile flags) and this driver calls them in the same
+ * library (api.h). Each kernel opens its own OpenMP region and they run one after another from this
  * serial driver, so libgomp's pool stays hot and no region nests. The same calls with the
  * same arguments as the per-layer path in engine/models/llama.py, so both give the same
  * numbers.
@@ -27,9 +27,10 @@ typedef struct {
     int64_t lora_slots; /* the LoRA slots each layer's LoraWeights hold (0: none) */
 } Shape;
 
-/* One product's weights: packed tiles (quant_packed.c) of one type in blocks.data[0] with its
- * type in blocks.type[0], or (packed 0) raw-block segments (mlp_blocks.c). A layer's gate_up
- * and down are both packed or both raw. */
+/* One product's weights as row segments, each of its own type: packed tiles (packed 1:
+ * quant_packed.c's or quant_kpacked.c's, by type) or raw blocks (packed 0: mlp_blocks.c). A
+ * layer's gate_up and down are both packed or both raw; packed, each is one segment, both of
+ * one library's types (the one-call MLP's). */
 typedef struct {
     int64_t packed;
     BlockParts blocks;
@@ -60,8 +61,8 @@ static int product(const Shape *s, const Product *p, int64_t N, int64_t K, const
                    int64_t M, float *out, int num_threads)
 {
     if (p->packed)
-        return quant_matmul_packed((int)p->blocks.type[0], p->blocks.data[0], N, K, x, K, M,
-                                   out, N, s->numerics, num_threads);
+        return quant_matmul_packed_parts(&p->blocks, K, x, K, M, out, N, s->numerics,
+                                         num_threads);
     return quant_matmul_parts(&p->blocks, K, x, K, M, out, N, s->numerics, ISA_AUTO,
                               num_threads);
 }
@@ -69,14 +70,19 @@ static int product(const Shape *s, const Product *p, int64_t N, int64_t K, const
 static int mlp(const Shape *s, const Layer *L, const float *x, int64_t M, float *out,
                const MlpLora *lora, int num_threads)
 {
+    const BlockParts *gu = &L->gate_up.blocks, *dn = &L->down.blocks;
     if (L->gate_up.packed != L->down.packed)
         return -1;
-    if (L->gate_up.packed)
-        return quant_mlp_packed((int)L->gate_up.blocks.type[0], L->gate_up.blocks.data[0],
-                                (int)L->down.blocks.type[0], L->down.blocks.data[0], s->inter,
-                                s->hidden, x, M, out, s->numerics, s->act, lora, num_threads);
-    return quant_mlp_blocks(&L->gate_up.blocks, &L->down.blocks, s->inter, s->hidden, x, M,
-                            out, s->numerics, s->act, lora, ISA_AUTO, num_threads);
+    if (L->gate_up.packed) {
+        const int tgu = (int)gu->type[0], td = (int)dn->type[0];
+        if (gu->parts != 1 || dn->parts != 1 || kq_type(tgu) != kq_type(td))
+            return -1;
+        return (kq_type(tgu) ? kq_mlp_packed : quant_mlp_packed)(
+            tgu, gu->data[0], td, dn->data[0], s->inter, s->hidden, x, M, out, s->numerics,
+            s->act, lora, num_threads);
+    }
+    return quant_mlp_blocks(gu, dn, s->inter, s->hidden, x, M, out, s->numerics, s->act, lora,
+                            ISA_AUTO, num_threads);
 }
 
 static int64_t write_kv(const Shape *s, const Layer *L, const float *key, int64_t key_stride,

@@ -31,11 +31,6 @@
 enum { NUM_A32 = 0, NUM_A8 = 1 };
 
 
-static inline int kq_type(int type)
-{
-    return type == T_Q5_0 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
-}
-
 static inline int is_k(int type) { return type >= T_Q4_K; }
 static inline int sb_elems(int type) { return is_k(type) ? 256 : 32; }
 

@@ -324,3 +324,23 @@ int quant_packed_kmajor(int type, const uint8_t *packed, int64_t N, int64_t K, i
     return -1;
 #endif
 }
+
+/* As quant_matmul_parts, each part's data packed tiles of its type (quant_pack's for Q4_0,
+ * Q4_1 and Q8_0, kq_pack's for the others) of rows[p] features: a fused projection whose parts
+ * differ in type (Q4_K_M's q|k Q4_K and v Q6_K), one packed product per part into its columns.
+ * AVX-512 VNNI only (-1 without it). */
+int quant_matmul_packed_parts(const BlockParts *w, int64_t K, const float *x, int64_t xs,
+                              int64_t M, float *out, int64_t os, int numerics, int num_threads)
+{
+    if (w->parts < 1 || w->parts > MAX_PARTS)
+        return -1;
+    int64_t n0 = 0;
+    for (int64_t p = 0; p < w->parts; p++) {
+        const int type = (int)w->type[p];
+        if ((kq_type(type) ? kq_matmul_packed : quant_matmul_packed)(
+                type, w->data[p], w->rows[p], K, x, xs, M, out + n0, os, numerics, num_threads))
+            return -1;
+        n0 += w->rows[p];
+    }
+    return 0;
+}
