@@ -432,7 +432,8 @@ static void attend_f16(const Shape *c, int h, const float *qs, int first, int la
 #undef CASES
 #undef CASES_256
 
-/* attend16 where the shape has an instance, else the scalar attend */
+/* the vector attend of this build (ATTEND_VECTOR: attend8 on AVX2, attend16 on AVX-512) where the
+ * shape has an instance, else the scalar attend */
 static void attend_any(const Shape *c, int h, const float *qs, int first, int last, float *acc,
                        float *m, float *l, int f16)
 {
