@@ -44,13 +44,24 @@ def test_cpu_backend_matches_float64(case):
     check_attention(**case)
 
 
-# The vectorized path (head_dim 64 or 128, groups 1-8; 16-token chunks, so blocks of 8 leave
-# lanes empty and blocks of 32 and 64 hold several chunks) and the scalar one beside it.
+# The vectorized path (head_dim 64 or 128, groups 1-8; 256, Gemma's, groups 1, 2 and 4;
+# 16-token chunks, so blocks of 8 leave lanes empty and blocks of 32 and 64 hold several
+# chunks) and the scalar one beside it.
 @pytest.mark.parametrize(("head_dim", "group", "page"), [
     (64, 1, 16), (64, 3, 16), (64, 8, 16), (128, 3, 16), (128, 8, 16),
-    (64, 3, 8), (64, 3, 32), (64, 2, 64), (64, 12, 16), (96, 3, 16)])
+    (256, 1, 16), (256, 2, 16), (256, 4, 16), (256, 4, 8),
+    (64, 3, 8), (64, 3, 32), (64, 2, 64), (64, 12, 16), (96, 3, 16), (256, 3, 16)])
 def test_decode_shapes_match_float64(head_dim, group, page):
     check_attention("cpu", "long", group=group, head_dim=head_dim, page=page)
+
+
+@pytest.mark.parametrize("window", [None, 5, 100])
+@pytest.mark.parametrize("kv_dtype", ["float16", "auto"])
+def test_head_dim_256_matches_float64(kv_dtype, window):
+    """Gemma 3 270M's and 1B's heads: one KV head for four queries, float16 or float32 pools,
+    its 512-token window scaled down to windows that start mid-block."""
+    check_attention("cpu", "long", group=4, kv_heads=1, head_dim=256, kv_dtype=kv_dtype,
+                    window=window)
 
 
 def test_cpu_write_kv_skips_padding():

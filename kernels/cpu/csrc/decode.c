@@ -396,13 +396,8 @@ attend16(const Shape *c, int h, const float *qs, int first, int last, float *acc
 #define ATTEND_VECTOR attend16
 #endif
 
-/* NOTE: head_dim 256 (Gemma 2 and 3: 4 query heads per KV head at 270M and 1B, 2 from 4B) only
- * for attend8, the one measured; attend16 takes the scalar attend there */
-#if ATTEND8
+/* head_dim 256: Gemma 2 and 3 (4 query heads per KV head at 270M and 1B, 2 from 4B) */
 #define CASES_256 CASE(1, 256) CASE(2, 256) CASE(4, 256)
-#else
-#define CASES_256
-#endif
 #define CASES                                                                                 \
     CASE(1, 64) CASE(2, 64) CASE(3, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) CASE(8, 64) \
     CASE(1, 128) CASE(2, 128) CASE(3, 128) CASE(4, 128) CASE(5, 128) CASE(6, 128) CASE(7, 128)  \
