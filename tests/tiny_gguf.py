@@ -1,5 +1,6 @@
 """Write a tiny HF checkpoint (tests/tiny_families.py) as a GGUF file with the `gguf` package's
-writer, under its family's llama.cpp architecture, tensor names and metadata keys (F32/F16).
+writer, under its family's llama.cpp architecture, tensor names and metadata keys (F32/F16, or
+the matrices in a block type the `gguf` package quantizes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 
 A plain module (not conftest), as tiny_llama.py.
 """
@@ -27,10 +28,13 @@ _GEMMA = {"post_attention_layernorm": "post_attention_norm",
 
 
 def write_gguf(model_dir: Path, out: Path, arch: str, dtype: str = "float32",
-               rope_freqs: bool = True) -> Path:
-    """The checkpoint in model_dir as GGUF `arch`; dtype float16 stores the matrices in F16;
+               rope_freqs: bool = True, overrides: dict[str, str] | None = None) -> Path:
+    """The checkpoint in model_dir as GGUF `arch`; dtype float16 stores the matrices in F16, a
+    block type name quantizes them to it (the embedding to Q8_0, as llama-quantize leaves it
+    on small models), overrides: a block's tensor part (e.g. "attn_v") -> its own type;
     rope_freqs False leaves out Llama 3's frequency factors (a file that lost its scaling)."""
     import gguf
+    from gguf.quants import quantize
     from safetensors.torch import load_file
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -49,6 +53,12 @@ def write_gguf(model_dir: Path, out: Path, arch: str, dtype: str = "float32",
             a = a + 1  # llama.cpp stores Gemma's (1 + w)
         if dtype == "float16" and a.ndim == 2 and "embd" not in gname:
             a = a.astype(np.float16)
+        elif dtype not in ("float32", "float16") and a.ndim == 2:
+            kind = "Q8_0" if "embd" in gname else (overrides or {}).get(
+                gname.split(".")[2], dtype)
+            kind = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(gname, quantize(a, kind), raw_dtype=kind)
+            continue
         writer.add_tensor(gname, np.ascontiguousarray(a))
     rope = cfg.get("rope_parameters") or {}
     if rope.get("rope_type") == "longrope":

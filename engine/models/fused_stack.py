@@ -1,7 +1,8 @@
 """The decoder stack of a plain decode step in one C call (kernels/cpu/fused.py) for
-Llama-layout models whose projections are all quantized: packed tiles (Q4_0/Q4_1/Q8_0 and
-the K-quants, on AVX-512 VNNI), or raw-block segments where the CPU or the type has no packed
-tiles (every type on an AVX2-only CPU).
+Llama-layout models (and Qwen3's q/k norms, Gemma 2/3's sandwich norms, windows and local
+rope) whose projections are all quantized: packed tiles (Q4_0/Q4_1/Q8_0 and the K-quants, on
+AVX-512 VNNI), or raw-block segments where the CPU or the type has no packed tiles (every type
+on an AVX2-only CPU).
 
 `DecodeStack.build(model)` says whether a model qualifies (else None: its layers always run
 one by one); `fits` decides per step (every row one token, KV pools of a dtype the driver
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.models.gemma import GemmaDecoderLayer
 from engine.models.llama import DecoderLayer, LlamaForCausalLM, RotaryEmbedding
 from engine.models.quant_linear import PREFILL_ROWS, QuantLinear, QuantMLP
 from engine.run.forward_context import get_forward_context
@@ -34,9 +36,10 @@ class DecodeStack:
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> DecodeStack | None:
         """The stack for `model`, or None where a layer has anything the driver lacks (biases,
-        q/k norms, windows, soft-caps, Gemma's extra norms, dense segments, packed parts
-        beside raw ones, a dense MLP) or the C kernels cannot run here."""
-        layers = [_layer_weights(layer) for layer in model.layers]
+        attention soft-caps, dense segments, packed parts beside raw ones, a dense MLP) or the
+        C kernels cannot run here."""
+        eps = model.cfg.rms_norm_eps
+        layers = [_layer_weights(layer, eps) for layer in model.layers]
         if not layers or None in layers or not cpu_fused.available():
             return None
         attns = [layer.self_attn for layer in model.layers]
@@ -48,11 +51,11 @@ class DecodeStack:
             return None
         cfg = model.cfg
         norm = model.norm.weight.detach()
-        if norm.dtype != torch.float32:
+        if norm.dtype != torch.float32 or model.norm.eps != eps:
             return None
         kernel = cpu_fused.DecodeStack(
             layers, norm, hidden=cfg.hidden_size, inter=mlps[0].inter, heads=cfg.num_heads,
-            kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+            kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=eps,
             scale=attns[0].scale, numerics=numerics.pop(), act=mlps[0].act)
         return cls(kernel)
 
@@ -83,9 +86,10 @@ class DecodeStack:
                 and cpu_fused.runs_with(ctx.backend) and self.kernel.caches_fit(ctx.kv_caches))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                 num_layers: int | None) -> torch.Tensor:
+                 local_rope: RotaryEmbedding | None, num_layers: int | None) -> torch.Tensor:
         """The hidden states after the first num_layers layers (None: all) and the final
-        norm, as LlamaForCausalLM.forward returns them."""
+        norm, as LlamaForCausalLM.forward returns them (local_rope: the windowed Gemma 3
+        layers' tables)."""
         ctx = get_forward_context()
         meta = ctx.attn_metadata
         self.kernel.set_caches(ctx.kv_caches)
@@ -95,22 +99,32 @@ class DecodeStack:
         if n < self.kernel.num_layers:
             self.partial_calls += 1
         adapters = None if ctx.lora is None else ctx.lora.row_slots
+        local = None if local_rope is None else (local_rope.cos, local_rope.sin)
         return self.kernel(x, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                           rope.cos, rope.sin, n, torch.get_num_threads(), adapters)
+                           rope.cos, rope.sin, n, torch.get_num_threads(), adapters, local)
 
 
-def _layer_weights(layer: torch.nn.Module) -> cpu_fused.LayerWeights | None:
-    """The layer's tensors for the driver, or None where it is not a plain Llama layer whose
-    projections are packed products or raw-block segments and whose MLP is one call."""
-    if type(layer) is not DecoderLayer or layer.uses_local_rope:
+def _layer_weights(layer: torch.nn.Module, eps: float) -> cpu_fused.LayerWeights | None:
+    """The layer's tensors for the driver, or None where it is not a Llama or Gemma layer
+    whose projections are packed products or raw-block segments, whose MLP is one call and
+    whose attention has no soft-cap (decode.c has none); its norms' eps must be `eps`, the
+    driver's."""
+    if type(layer) not in (DecoderLayer, GemmaDecoderLayer):
         return None
     attn, mlp = layer.self_attn, layer.mlp.fused
-    if (attn.q_norm is not None or attn.window is not None or attn.softcap is not None
-            or not isinstance(mlp, QuantMLP)):
+    if attn.softcap is not None or not isinstance(mlp, QuantMLP):
         return None
-    norms = [n.weight.detach() for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    if any(n.dtype != torch.float32 for n in norms):
+    extra = {}
+    if attn.q_norm is not None:
+        extra.update(q_norm=attn.q_norm, k_norm=attn.k_norm)
+    if isinstance(layer, GemmaDecoderLayer):
+        extra.update(pre_ff_norm=layer.pre_feedforward_layernorm,
+                     post_ff_norm=layer.post_feedforward_layernorm)
+    modules = [layer.input_layernorm, layer.post_attention_layernorm, *extra.values()]
+    if any(n.weight.dtype != torch.float32 or n.eps != eps for n in modules):
         return None
+    norms = [n.weight.detach() for n in modules[:2]]
+    extra = {name: n.weight.detach() for name, n in extra.items()}
     qkv, o = _segments(attn.qkv_proj), _segments(attn.o_proj)
     if qkv is None or o is None:
         return None
@@ -121,7 +135,8 @@ def _layer_weights(layer: torch.nn.Module) -> cpu_fused.LayerWeights | None:
         gate_up, down = ((segments, False) for segments in mlp.segments)
     products = (qkv, o, gate_up, down)
     return cpu_fused.LayerWeights(*norms, *(segments for segments, _ in products),
-                                  packed=tuple(packed for _, packed in products))
+                                  packed=tuple(packed for _, packed in products),
+                                  window=attn.window, local=layer.uses_local_rope, **extra)
 
 
 def _segments(proj: torch.nn.Module) -> tuple[list[Segment | PackedSegment], bool] | None:

@@ -43,7 +43,7 @@ class FusedStack(Protocol):
 
     def fits(self, x: torch.Tensor, positions: torch.Tensor, num_layers: int | None) -> bool: ...
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                 num_layers: int | None) -> torch.Tensor: ...
+                 local_rope: RotaryEmbedding | None, num_layers: int | None) -> torch.Tensor: ...
     def attach_lora(self, layers: list[tuple[SlotWeights, ...]]) -> None: ...
 
 
@@ -194,8 +194,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk = qkv[:, : self.num_heads + self.num_kv_heads]
         if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]),
-                            self.k_norm(qk[:, self.num_heads :])), dim=1)
+            qk = self._norm_qk(qk)
         # NOTE: q and k rotate in one call; q and k are then views of its output
         q, k = rope(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
@@ -211,6 +210,18 @@ class Attention(nn.Module):
         out = ctx.backend.paged_attention(q, k_cache, v_cache, meta.with_window(self.window),
                                           self.scale, **scales)
         return self.o_proj(out.reshape(n, self.q_size))
+
+    def _norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """q and k [tokens, heads, head_dim] each normed per head: in place by ops.c's kernel
+        where the norms are fused (the numbers of engine/models/fused_stack.py's driver), else
+        by torch."""
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        qw, kw = self.q_norm.weight, self.k_norm.weight
+        if self.q_norm.fused and cpu_ops.rope_input_fits(qk) and cpu_ops.fits(qw, kw):
+            cpu_ops.rms_norm_heads(q, qw, self.q_norm.eps)
+            cpu_ops.rms_norm_heads(k, kw, self.k_norm.eps)
+            return qk
+        return torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
 
 
 class MLP(nn.Module):
@@ -324,7 +335,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         stack = self.decode_stack
         if stack is not None and stack.fits(x, positions, num_layers):
-            return stack(x, positions, self.rope, num_layers)
+            return stack(x, positions, self.rope, self.local_rope, num_layers)
         rope = self.rope.lookup(positions, x.dtype, self.fused_cpu_ops)
         local = rope if self.local_rope is None else self.local_rope.lookup(
             positions, x.dtype, self.fused_cpu_ops)

@@ -26,6 +26,7 @@ __all__ = ["KV_DTYPES", "DecodeStack", "LayerWeights", "available", "build_error
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's products, in fused.c's order
+_EXTRA_NORMS = ("q_norm", "k_norm", "pre_ff_norm", "post_ff_norm")  # None where a layer has none
 
 # The KV pool dtypes the driver takes (decode.c's float32 and float16 entry points).
 KV_DTYPES = (torch.float32, torch.float16)
@@ -46,7 +47,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr),
                 *[(n, _Product) for n in _PRODUCTS],
                 ("k_cache", _ptr), ("v_cache", _ptr),
-                *[(f"{n}_lora", LoraWeights) for n in _PRODUCTS]]
+                *[(f"{n}_lora", LoraWeights) for n in _PRODUCTS],
+                *[(n, _ptr) for n in _EXTRA_NORMS], ("window", _i64), ("local", _i64)]
 
 
 def _product(segments: list[Segment] | list[PackedSegment], packed: bool, k: int) -> _Product:
@@ -67,15 +69,33 @@ class LayerWeights:
     in order: packed tiles (kernels/cpu/blocks.py's PackedSegment: kernels/cpu/quant.py's
     `pack` of each part) with packed True, or raw blocks [rows, row_bytes] (its Segment) with
     packed False (`packed`: one flag per product, in that order). gate_up and down are both
-    packed or both raw; packed, one segment each, of one library's types (quant.fuses)."""
+    packed or both raw; packed, one segment each, of one library's types (quant.fuses).
+
+    Beyond the Llama layer: q_norm and k_norm float32 [head_dim] (Qwen3's and Gemma 3's
+    per-head norms of q and k before rope; both or neither); pre_ff_norm and post_ff_norm
+    float32 [hidden] (Gemma's sandwich: post_norm then norms attention's output alone,
+    pre_ff_norm is the add + norm before the MLP, post_ff_norm norms the MLP's output; both
+    or neither); window: the last keys a query sees (None: all); local: rope with the local
+    tables (Gemma 3's windowed layers)."""
 
     def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor,
                  qkv: list[Segment] | list[PackedSegment],
                  o: list[Segment] | list[PackedSegment],
                  gate_up: list[Segment] | list[PackedSegment],
                  down: list[Segment] | list[PackedSegment],
-                 packed: tuple[bool, bool, bool, bool]) -> None:
+                 packed: tuple[bool, bool, bool, bool], *,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 pre_ff_norm: torch.Tensor | None = None,
+                 post_ff_norm: torch.Tensor | None = None, window: int | None = None,
+                 local: bool = False) -> None:
         self.input_norm, self.post_norm = input_norm, post_norm
+        if (q_norm is None) != (k_norm is None) or (pre_ff_norm is None) != (post_ff_norm is None):
+            raise ValueError("q_norm and k_norm, pre_ff_norm and post_ff_norm come in pairs")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        self.norms = dict(zip(_EXTRA_NORMS, (q_norm, k_norm, pre_ff_norm, post_ff_norm),
+                              strict=True))
+        self.window, self.local = window or 0, local
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         if packed[2] != packed[3]:
             raise ValueError("gate_up and down must be both packed or both raw blocks")
@@ -84,6 +104,11 @@ class LayerWeights:
             raise ValueError("packed gate_up and down must be one segment each, of one "
                              "library's types")
         self.packed = dict(zip(_PRODUCTS, packed, strict=True))
+
+    def all_norms(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, weight) of every norm the layer has."""
+        return [("input_norm", self.input_norm), ("post_norm", self.post_norm),
+                *((n, t) for n, t in self.norms.items() if t is not None)]
 
 
 class DecodeStack:
@@ -95,9 +120,11 @@ class DecodeStack:
                  scale: float, numerics: str, act: str) -> None:
         if not available():
             raise RuntimeError(f"the CPU library cannot run here: {build_error()}")
-        for t in (final_norm, *(t for w in layers for t in (w.input_norm, w.post_norm))):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != hidden:
-                raise ValueError(f"norm weights must be contiguous float32 [{hidden}]")
+        sizes = {"q_norm": head_dim, "k_norm": head_dim}
+        for t, size in ((final_norm, hidden), *((t, sizes.get(n, hidden))
+                                                for w in layers for n, t in w.all_norms())):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != size:
+                raise ValueError(f"norm weights must be contiguous float32 [{size}]")
         self._keep = (layers, final_norm)  # NOTE: the table holds their raw addresses
         self._table = (_Layer * len(layers))()
         for row, w in zip(self._table, layers, strict=True):
@@ -105,6 +132,9 @@ class DecodeStack:
             for name, k in zip(_PRODUCTS, (hidden, heads * head_dim, hidden, inter),
                                strict=True):
                 setattr(row, name, _product(getattr(w, name), w.packed[name], k))
+            for name, t in w.norms.items():
+                setattr(row, name, None if t is None else t.data_ptr())
+            row.window, row.local = w.window, w.local
         self._shape = _Shape(hidden, inter, heads, kv_heads, head_dim, 0, 0, eps, scale,
                              NUMERICS[numerics], ACTIVATIONS[act])
         self._final = final_norm.data_ptr()
@@ -112,6 +142,7 @@ class DecodeStack:
         self._lora: list | None = None  # the LoRA slots the table points at (set_lora)
         self._checked: tuple[list, bool] | None = None  # the last pools checked, and the answer
         self.num_layers, self.hidden = len(layers), hidden
+        self.local = any(w.local for w in layers)  # the call needs the local rope tables
 
     def caches_fit(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Contiguous CPU pools [blocks, block_size, kv_heads, head_dim] of a dtype in
@@ -177,16 +208,21 @@ class DecodeStack:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  tables: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, num_layers: int, num_threads: int,
-                 adapters: torch.Tensor | None = None) -> torch.Tensor:
+                 adapters: torch.Tensor | None = None,
+                 local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The final norm of layer num_layers's hidden states, [rows, hidden].
 
         x float32 [rows, hidden] contiguous; positions, slots int64 [rows]; tables int64
         [rows, >= blocks] with contiguous rows; seq_lens int32 [rows]; cos, sin float32
         [max_positions, head_dim] contiguous (the signed sin of engine/models/llama.py's
         RotaryEmbedding); adapters: each row's LoRA slot, int32 [rows] contiguous, -1 for
-        none (None: no row has one; else set_lora was called). Not checked here: the
+        none (None: no row has one; else set_lora was called); local: the local layers' cos
+        and sin, as cos and sin (needed where a layer is local). Not checked here: the
         caller's fits() did.
         """
+        if self.local and local is None:
+            raise ValueError("the stack has local layers: pass their rope tables")
+        local_cos, local_sin = (None, None) if local is None else (t.data_ptr() for t in local)
         rows = x.shape[0]
         out = torch.empty(rows, self.hidden, dtype=torch.float32)
         rc = library.load().fused_decode_stack(
@@ -194,7 +230,8 @@ class DecodeStack:
             ctypes.addressof(self._table), num_layers, x.data_ptr(), rows,
             positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
             seq_lens.data_ptr(), None if adapters is None else adapters.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), self._final, out.data_ptr(), num_threads)
+            cos.data_ptr(), sin.data_ptr(), local_cos, local_sin, self._final, out.data_ptr(),
+            num_threads)
         if rc == -2:
             raise IndexError("KV cache slots out of range")
         if rc:

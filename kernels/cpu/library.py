@@ -56,6 +56,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "half_bits_to_float_n": ([_p, _p, _i64], None),
     "float_to_half_bits_n": ([_p, _p, _i64], None),
     "add_rms_norm_f32": ([_p, _p, _p, _p, _i64, _i64, _f32, _i32], None),
+    "rms_norm_heads_f32": ([_p, _i64, _p, _i64, _i64, _i64, _f32, _i32], None),
     "rope_f32": ([_p, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i32], None),
     "argmax_rows_f32": ([_p, _i64, _i64, _i64, _p, _i32], None),
     "quant_block_elems": ([_i32], _i32),
@@ -85,7 +86,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "lora_delta_f32": ([_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i64, _i64, _p, _i64, _i64, _i32,
                         _i32], _i32),
     "fused_decode_stack": ([_p, _p, _i32, _p, _i64, _p, _p, _p, _i64, _p, _p, _p, _p, _p, _p,
-                            _i32], _i32),
+                            _p, _p, _i32], _i32),
 }
 
 _lib: ctypes.CDLL | None = None

@@ -1,5 +1,5 @@
-"""Fused float32 CPU ops of the Llama block in C (csrc/ops.c): residual add + RMSNorm, rope,
-and the greedy sampler's argmax.
+"""Fused float32 CPU ops of the Llama block in C (csrc/ops.c): residual add + RMSNorm, the
+per-head q/k norms, rope, and the greedy sampler's argmax.
 
 Each replaces several torch ops (RMSNorm alone is six, rope five with its table lookups) by one
 call over the rows; in a decode step those ops are small and their fixed per-op cost is what
@@ -14,8 +14,8 @@ import torch
 from kernels.cpu import library
 from kernels.cpu.library import available, build_error
 
-__all__ = ["add_rms_norm", "argmax", "available", "build_error", "fits", "rope", "rope_fits",
-           "rope_input_fits"]
+__all__ = ["add_rms_norm", "argmax", "available", "build_error", "fits", "rms_norm_heads",
+           "rope", "rope_fits", "rope_input_fits"]
 
 
 def fits(*tensors: torch.Tensor) -> bool:
@@ -35,6 +35,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
         out.data_ptr(), x.numel() // hidden, hidden, eps, torch.get_num_threads())
     return out
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place, weight * RMSNorm of each head of x [tokens, heads, dim] (rows may be strided,
+    heads contiguous: rope_input_fits), weight float32 [dim] contiguous: the same numbers as
+    add_rms_norm over the heads as rows."""
+    tokens, heads, dim = x.shape
+    library.load().rms_norm_heads_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), tokens,
+                                      heads, dim, eps, torch.get_num_threads())
 
 
 def rope_fits(positions: torch.Tensor, cos: torch.Tensor) -> bool:

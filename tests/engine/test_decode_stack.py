@@ -3,9 +3,12 @@ GGUF files: against the per-layer path on the same model and KV state, and where
 leave a step to the per-layer path. A Q4_1 file runs packed tiles on AVX-512 and raw-block
 segments elsewhere; a Q4_K_M-like file (q/k/gate/up Q4_K, v and down Q6_K: two segments in
 one fused qkv) runs raw-block segments on every CPU (loaded packing nothing), and on AVX-512
-VNNI also quant_kpacked.c's tiles (loaded as usual: the K-quants pack). Greedy parity with
-`--quantization none` while the stack runs is checked in test_quantized.py
-(test_gguf_a32_equals_dequantized).
+VNNI also quant_kpacked.c's tiles (loaded as usual: the K-quants pack). A tiny Gemma 3 in
+the real 270M file's mix (q/k Q5_0, v Q8_0: two libraries' tiles in one qkv) brings q/k
+norms, the sandwich norms, windows and the local rope, packed where the CPU packs and as raw
+blocks. Greedy parity with `--quantization none` while the stack runs is checked in
+test_quantized.py (test_gguf_a32_equals_dequantized), with HF on the real Gemma 3 270M in
+test_gemma3_270m.py.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import c_build
 import pytest
 import torch
 from decode_steps import copy_caches, decode_batch, forward, random_state
+from tiny_families import WINDOW, build_family
+from tiny_gguf import write_gguf
 from tiny_quant_gguf import write_tiny_gguf
 
 from engine import LLM, SamplingParams
@@ -22,7 +27,7 @@ from kernels.attention import cpu_backend, torch_backend
 from kernels.cpu import fused as cpu_fused
 from kernels.cpu import kquant as cpu_kquant
 from kernels.cpu import quant as cpu_quant
-from kernels.cpu.ggml_types import Q4_K, Q6_K
+from kernels.cpu.ggml_types import Q4_K, Q5_0, Q6_K, Q8_0
 
 Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}  # the overrides on a Q4_K file
 
@@ -44,15 +49,25 @@ def q4_k_m_gguf(wide_model_dir, tmp_path_factory):
                            "Q4_K", overrides=Q4_K_M)
 
 
+@pytest.fixture(scope="module")
+def gemma3_gguf(bundled_tokenizer_dir, tmp_path_factory):
+    """Gemma 3 (two windowed layers with the local rope, one global) in Q5_0, v in Q8_0."""
+    root = tmp_path_factory.mktemp("gemma3")
+    hf = build_family("gemma3", root / "hf", bundled_tokenizer_dir, query_pre_attn_scalar=16)
+    return write_gguf(hf, root / "gemma3.gguf", "gemma3", dtype="Q5_0",
+                      overrides={"attn_v": "Q8_0"})
+
+
 @pytest.fixture(scope="module", params=["Q4_1-a32", "Q4_1-a8", "Q4_K_M-a32", "Q4_K_M-a8",
-                                        "Q4_K_M-packed-a32", "Q4_K_M-packed-a8"])
-def llm(request, q4_1_gguf, q4_k_m_gguf, bundled_tokenizer_dir):
-    kind, *packed, numerics = request.param.split("-")
-    path = q4_1_gguf if kind == "Q4_1" else q4_k_m_gguf
-    if packed:
+                                        "Q4_K_M-packed-a32", "Q4_K_M-packed-a8",
+                                        "Gemma3-a32", "Gemma3-a8", "Gemma3-raw-a8"])
+def llm(request, q4_1_gguf, q4_k_m_gguf, gemma3_gguf, bundled_tokenizer_dir):
+    kind, *flags, numerics = request.param.split("-")
+    path = {"Q4_1": q4_1_gguf, "Q4_K_M": q4_k_m_gguf, "Gemma3": gemma3_gguf}[kind]
+    if flags == ["packed"]:
         c_build.require_isa("avx512", cpu_kquant.available())
     with pytest.MonkeyPatch.context() as patch:
-        if kind == "Q4_K_M" and not packed:
+        if (kind == "Q4_K_M" and not flags) or flags == ["raw"]:
             # NOTE: raw-block segments on every CPU: this load packs none
             patch.setattr(cpu_quant, "packs", lambda type_id, k: False)
         return LLM(str(path), tokenizer=str(bundled_tokenizer_dir), max_model_len=256,
@@ -74,6 +89,13 @@ def test_stack_equals_the_per_layer_path(llm, lens, kv_dtype, request):
         assert types == [Q4_K, Q6_K]  # q|k, then v: two in one product
         # NOTE: the K-quants' tiles where they pack, else raw blocks
         assert (qkv.packed_segments is not None) == ("packed" in request.node.callspec.id)
+    if Q5_0 in types:  # Gemma 3: what the stack takes beyond the Llama layer
+        assert types == [Q5_0, Q8_0]
+        assert [layer.self_attn.window for layer in model.layers] == [WINDOW, WINDOW, None]
+        assert [layer.uses_local_rope for layer in model.layers] == [True, True, False]
+        assert model.layers[0].self_attn.q_norm is not None
+        assert ((qkv.packed_segments is not None)
+                == ("raw" not in request.node.callspec.id and cpu_kquant.available()))
     gen = torch.Generator().manual_seed(len(lens))
     state = random_state(runner, gen, kv_dtype)
     ids, positions, meta = decode_batch(lens, [1] * len(lens), runner.block_size, gen)
@@ -119,7 +141,7 @@ def test_steps_the_stack_does_not_take_fall_back(llm):
 
 def test_models_the_stack_does_not_take(tiny_model_dir, bundled_tokenizer_dir, tmp_path):
     """A projection with a dense segment (v in F16 beside q/k tiles), a dense model, the
-    torch backend: no stack."""
+    torch backend, attention soft-capping (Gemma 2's; decode.c has none): no stack."""
     tok = str(bundled_tokenizer_dir)
     dense = LLM(str(tiny_model_dir), tokenizer=tok, max_model_len=64, num_gpu_blocks=8)
     assert dense.engine.runner.model.decode_stack is None
@@ -131,6 +153,13 @@ def test_models_the_stack_does_not_take(tiny_model_dir, bundled_tokenizer_dir, t
                             overrides={"attn_v": "F16"})
     part_dense = LLM(str(mixed), tokenizer=tok, max_model_len=64, num_gpu_blocks=8)
     assert part_dense.engine.runner.model.decode_stack is None
+    gemma2 = build_family("gemma2", tmp_path / "gemma2", bundled_tokenizer_dir,
+                          query_pre_attn_scalar=16)
+    capped = LLM(str(write_gguf(gemma2, tmp_path / "gemma2.gguf", "gemma2", dtype="Q8_0")),
+                 tokenizer=tok, max_model_len=64, num_gpu_blocks=8)
+    model = capped.engine.runner.model
+    assert model.layers[0].mlp.fused is not None  # quantized, and yet
+    assert model.decode_stack is None
 
 
 def test_self_draft_and_verification_keep_greedy_output(q4_1_gguf, bundled_tokenizer_dir):

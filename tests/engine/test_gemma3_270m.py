@@ -1,6 +1,6 @@
 """The real Gemma 3 270M (Q4_K_M GGUF from the gemma3 extra, `--model gemma3-270m`): greedy
 output equals HF transformers loading the same GGUF, over prompts longer than its 512-token
-local window (five layers in six are windowed)."""
+local window (five layers in six are windowed), its decode steps in the one-call stack."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def test_gemma3_270m_greedy_equals_hf_over_the_window():
     ours = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     stats = llm.engine.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total
+    # NOTE: the decode steps ran the one-call stack (kernels/cpu/csrc/fused.c): its windows,
+    # local rope, q/k and sandwich norms are what HF is compared with here
+    stack = llm.engine.runner.model.decode_stack
+    assert stack is not None and stack.calls >= MAX_NEW - 1
     del llm
 
     hf = hf_from_gguf(resolve_model("gemma3-270m").path, dtype=torch.float32).eval()

@@ -48,6 +48,21 @@ def test_add_rms_norm_matches_the_torch_formula(rows, with_residual):
 
 
 @pytest.mark.parametrize("tokens", [1, 9, 130])
+def test_rms_norm_heads_matches_float64_in_place(tokens):
+    """Qwen3's and Gemma 3's per-head q/k norms: each head of strided rows (q and k of a fused
+    qkv row) normed in place; v and the other heads untouched."""
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 8, 16, generator=gen) * 3  # 4 q, 2 k, 2 v heads
+    weight = torch.randn(16, generator=gen)
+    before = qkv.clone()
+    cpu_ops.rms_norm_heads(qkv[:, 4:6], weight, 1e-6)  # the k heads
+    x = before[:, 4:6].double()
+    want = weight.double() * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(qkv[:, 4:6].double(), want, rtol=2e-6, atol=2e-6)
+    assert torch.equal(qkv[:, :4], before[:, :4]) and torch.equal(qkv[:, 6:], before[:, 6:])
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 130])
 def test_rope_is_bit_identical_to_the_torch_formula(tokens):
     gen = torch.Generator().manual_seed(tokens)
     rope = RotaryEmbedding(_cfg(), 256, torch.device("cpu"))

@@ -29,6 +29,8 @@ void float_to_half_bits_n(const float *src, uint16_t *dst, int64_t n);
 /* ---- ops.c: norms, rope, argmax ----------------------------------------------------------- */
 void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
                       int64_t rows, int64_t hidden, float eps, int num_threads);
+void rms_norm_heads_f32(float *x, int64_t x_stride, const float *weight, int64_t tokens,
+                        int64_t heads, int64_t dim, float eps, int num_threads);
 void rope_f32(const float *x, int64_t x_stride, const int64_t *positions, const float *cos_t,
               const float *sin_t, float *out, int64_t tokens, int64_t heads, int64_t dim,
               int num_threads);

@@ -1,7 +1,10 @@
 /* A decode step's whole decoder stack in one call, for Llama-layout models whose projections
  * are packed quantized tiles or raw-block segments (every row one token): per layer add +
- * RMSNorm, the QKV product, rope, the KV write, paged decode attention, the O product, add +
- * RMSNorm and the one-call MLP; then the final norm. The LM head stays with the caller. Rows
+ * RMSNorm, the QKV product, the q/k norms (Qwen3, Gemma 3; where the layer has them), rope
+ * (a windowed Gemma 3 layer: its local tables), the KV write, paged decode attention (within
+ * the layer's window), the O product, add + RMSNorm and the one-call MLP; Gemma's sandwich
+ * layers norm attention's output before the add and the MLP's output after it. Then the
+ * final norm. The LM head stays with the caller. Rows
  * with a LoRA adapter get its delta (lora.c) after each adapted product: qkv and o here,
  * gate_up (before the activation) and down inside the MLP's call.
  *
@@ -37,12 +40,18 @@ typedef struct {
 } Product;
 
 /* One layer's weights, KV pools [num_slots, kv_heads, D] and LoRA slots of its four products
- * (api.h's LoraWeights, a NULL: not adapted). */
+ * (api.h's LoraWeights, a NULL: not adapted). q_norm/k_norm [D] (NULL: none); pre_ff_norm and
+ * post_ff_norm [hidden] (NULL: the Llama layout, post_norm the add + norm before the MLP;
+ * else Gemma's: post_norm on attention's output alone, pre_ff_norm the add + norm, post_ff_norm
+ * on the MLP's output). window: the keys a query sees (0: all); local: rope with the local
+ * tables. */
 typedef struct {
     const float *input_norm, *post_norm;
     Product qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* float or uint16_t (kv_f16) */
     LoraWeights qkv_lora, o_lora, gate_up_lora, down_lora;
+    const float *q_norm, *k_norm, *pre_ff_norm, *post_ff_norm;
+    int64_t window, local;
 } Layer;
 
 /* out [M, N] += the LoRA delta of x [M, K] for the rows with an adapter (adapters NULL: none) */
@@ -104,16 +113,19 @@ static void decode(const Shape *s, const Layer *L, const float *q, int64_t q_str
     if (s->kv_f16)
         paged_decode_f16(q, q_stride, L->k_cache, L->v_cache, tables, table_stride, seq_lens,
                          out, out_stride, (int)rows, (int)s->heads, (int)s->kv_heads,
-                         (int)s->head_dim, (int)s->block_size, s->scale, 0, num_threads);
+                         (int)s->head_dim, (int)s->block_size, s->scale, (int)L->window,
+                         num_threads);
     else
         paged_decode_f32(q, q_stride, L->k_cache, L->v_cache, tables, table_stride, seq_lens,
                          out, out_stride, (int)rows, (int)s->heads, (int)s->kv_heads,
-                         (int)s->head_dim, (int)s->block_size, s->scale, 0, num_threads);
+                         (int)s->head_dim, (int)s->block_size, s->scale, (int)L->window,
+                         num_threads);
 }
 
 /* x [rows, hidden]: the embedded tokens; out [rows, hidden]: the final norm of the last
  * layer's hidden state. positions, slots [rows]; tables [rows, table_stride] block ids;
- * seq_lens [rows] (each with the new token); cos/sin: rope's full [positions, D] tables;
+ * seq_lens [rows] (each with the new token); cos/sin: rope's full [positions, D] tables,
+ * local_cos/local_sin the local ones (NULL where no layer is local);
  * adapters [rows]: each row's LoRA slot, -1 for none (NULL: no row has one).
  * Returns 0, -1 when a kernel or an allocation failed (or a LoRA slot is out of range), -2
  * when a KV slot is out of range. */
@@ -121,7 +133,8 @@ int fused_decode_stack(const Shape *s, const Layer *layers, int num_layers, cons
                        int64_t rows, const int64_t *positions,
                        const int64_t *slots, const int64_t *tables, int64_t table_stride,
                        const int32_t *seq_lens, const int32_t *adapters, const float *cos_t,
-                       const float *sin_t, const float *final_norm, float *out, int num_threads)
+                       const float *sin_t, const float *local_cos, const float *local_sin,
+                       const float *final_norm, float *out, int num_threads)
 {
     const int64_t H = s->hidden, D = s->head_dim, M = rows;
     const int64_t nq = s->heads * D, nkv = s->kv_heads * D;
@@ -144,8 +157,17 @@ int fused_decode_stack(const Shape *s, const Layer *layers, int num_layers, cons
             rc = -1;
             break;
         }
-        rope_f32(qkv, nqkv, positions, cos_t, sin_t, qk, M, s->heads + s->kv_heads, D,
-                 num_threads);
+        if (L->q_norm) {
+            rms_norm_heads_f32(qkv, nqkv, L->q_norm, M, s->heads, D, s->eps, num_threads);
+            rms_norm_heads_f32(qkv + nq, nqkv, L->k_norm, M, s->kv_heads, D, s->eps,
+                               num_threads);
+        }
+        if (L->local && !local_cos) {
+            rc = -1;
+            break;
+        }
+        rope_f32(qkv, nqkv, positions, L->local ? local_cos : cos_t,
+                 L->local ? local_sin : sin_t, qk, M, s->heads + s->kv_heads, D, num_threads);
         if (write_kv(s, L, qk + nq, nqk, qkv + nqk, nqkv, slots, M)) {
             rc = -2;
             break;
@@ -156,10 +178,19 @@ int fused_decode_stack(const Shape *s, const Layer *layers, int num_layers, cons
             rc = -1;
             break;
         }
-        add_rms_norm_f32(o, res, L->post_norm, h, M, H, s->eps, num_threads);
+        if (L->pre_ff_norm) { /* Gemma: attention's output normed before the add */
+            add_rms_norm_f32(o, NULL, L->post_norm, o, M, H, s->eps, num_threads);
+            add_rms_norm_f32(o, res, L->pre_ff_norm, h, M, H, s->eps, num_threads);
+        } else {
+            add_rms_norm_f32(o, res, L->post_norm, h, M, H, s->eps, num_threads);
+        }
         const MlpLora mlp_lora = {adapters, s->lora_slots, L->gate_up_lora, L->down_lora};
-        if (mlp(s, L, h, M, cur, adapters ? &mlp_lora : NULL, num_threads))
+        if (mlp(s, L, h, M, cur, adapters ? &mlp_lora : NULL, num_threads)) {
             rc = -1;
+            break;
+        }
+        if (L->post_ff_norm) /* Gemma: the MLP's output normed before the next add */
+            add_rms_norm_f32(cur, NULL, L->post_ff_norm, cur, M, H, s->eps, num_threads);
     }
     if (!rc) {
         if (num_layers > 0)

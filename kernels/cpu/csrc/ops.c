@@ -10,6 +10,20 @@
 
 #include "api.h"
 
+/* out = weight * (s * (1 / sqrt(mean(s^2) + eps))) over n floats; out may be s */
+static inline void rms_norm_row(const float *s, const float *weight, float *out, int64_t n,
+                                float eps)
+{
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++)
+        ss += s[i] * s[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++)
+        out[i] = weight[i] * (s[i] * inv);
+}
+
 /* residual (when not NULL) += x, then out = weight * (s * (1 / sqrt(mean(s^2) + eps))) where s
  * is the new residual (or x); rows of `hidden` floats, contiguous. */
 void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
@@ -25,16 +39,22 @@ void add_rms_norm_f32(const float *x, float *residual, const float *weight, floa
                 res[i] = res[i] + s[i];
             s = res;
         }
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < hidden; i++)
-            ss += s[i] * s[i];
-        const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
-        float *o = out + r * hidden;
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; i++)
-            o[i] = weight[i] * (s[i] * inv);
+        rms_norm_row(s, weight, out + r * hidden, hidden, eps);
     }
+}
+
+/* In place, each head its own RMSNorm (Qwen3's and Gemma 3's q/k norms): x [tokens, heads,
+ * dim] with rows x_stride floats apart and heads contiguous; weight [dim]. The same numbers
+ * as add_rms_norm_f32 over [tokens * heads, dim]. */
+void rms_norm_heads_f32(float *x, int64_t x_stride, const float *weight, int64_t tokens,
+                        int64_t heads, int64_t dim, float eps, int num_threads)
+{
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens >= 64)
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *s = x + t * x_stride + h * dim;
+            rms_norm_row(s, weight, s, dim, eps);
+        }
 }
 
 /* Rotate-half rope: out[t, h] = x[t, h] * cos[p] + swap(x[t, h]) * sin[p], p = positions[t],
