@@ -140,7 +140,8 @@ def run_engine(args: argparse.Namespace, timer_on: bool) -> tuple[dict, StepTime
     core = EngineCore(config)
     cfg = core.model_config
     prompts, output_lens = build_workload(args, cfg.vocab_size, core.max_model_len)
-    run(core, prompts[:2], [4, 4])  # warm-up: first-call allocations, thread pools
+    warm = prompts[:2]
+    run(core, warm, [4] * len(warm))  # warm-up: first-call allocations, thread pools
     timer = instrument(core) if timer_on else None
     with PeakMemory() as mem:
         result = run(core, prompts, output_lens)

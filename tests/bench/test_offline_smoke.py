@@ -31,10 +31,13 @@ def test_offline_smoke(tiny_model_dir: Path, capsys, distribution: str) -> None:
     assert 0 < floor["fraction_of_floor"] < floor["fraction_of_floor_all_tokens"]
 
 
-def test_offline_breakdown_without_baseline(tiny_model_dir: Path, capsys) -> None:
+@pytest.mark.parametrize("num_requests", [1, 2])
+def test_offline_breakdown_without_baseline(tiny_model_dir: Path, capsys,
+                                            num_requests: int) -> None:
+    """One request too: the warm-up takes as many prompts as there are."""
     offline.main(["--model", str(tiny_model_dir), "--num-gpu-blocks", "64", "--max-model-len",
-                  "512", "--num-requests", "2", "--output-len", "4", "--prompt-len", "8",
-                  "--baseline", "none", "--breakdown"])
+                  "512", "--num-requests", str(num_requests), "--output-len", "4",
+                  "--prompt-len", "8", "--baseline", "none", "--breakdown"])
     out = capsys.readouterr().out
     assert "pagedserve" in out and "model forward" in out and "hf-static" not in out
 
