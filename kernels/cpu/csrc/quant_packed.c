@@ -40,23 +40,28 @@ int quant_pack(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *packed
         return -1;
     const int64_t G = K / 32, rb = G * block_bytes(type), gb = pgroup_bytes(type);
     const int qoff = type == T_Q4_1 ? 64 : 32;
-    memset(packed, 0, (size_t)quant_packed_bytes(type, N, K));
-    for (int64_t n = 0; n < N; n++) {
-        const int64_t t = n / 16, j = n % 16;
-        for (int64_t g = 0; g < G; g++) {
-            const uint8_t *blk = w + n * rb + g * block_bytes(type);
-            uint8_t *p = packed + (t * G + g) * gb;
-            memcpy(p + 2 * j, blk, 2);
-            if (type == T_Q4_1)
-                memcpy(p + 32 + 2 * j, blk + 2, 2);
-            uint8_t *q = p + qoff;
-            if (type == T_Q8_0) {
-                for (int k = 0; k < 32; k++)
-                    q[(k / 4) * 64 + j * 4 + k % 4] = blk[2 + k] ^ 0x80;
-            } else {
-                const uint8_t *qs = blk + (type == T_Q4_0 ? 2 : 4);
-                for (int k = 0; k < 16; k++)
-                    q[(k / 4) * 64 + j * 4 + k % 4] = qs[k];
+    const int64_t tiles = (N + 15) / 16;
+    /* NOTE: tile by tile over the cores (each tile's bytes are its own), as kq_pack */
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        memset(packed + t * G * gb, 0, (size_t)(G * gb));
+        for (int64_t n = 16 * t; n < N && n < 16 * t + 16; n++) {
+            const int64_t j = n % 16;
+            for (int64_t g = 0; g < G; g++) {
+                const uint8_t *blk = w + n * rb + g * block_bytes(type);
+                uint8_t *p = packed + (t * G + g) * gb;
+                memcpy(p + 2 * j, blk, 2);
+                if (type == T_Q4_1)
+                    memcpy(p + 32 + 2 * j, blk + 2, 2);
+                uint8_t *q = p + qoff;
+                if (type == T_Q8_0) {
+                    for (int k = 0; k < 32; k++)
+                        q[(k / 4) * 64 + j * 4 + k % 4] = blk[2 + k] ^ 0x80;
+                } else {
+                    const uint8_t *qs = blk + (type == T_Q4_0 ? 2 : 4);
+                    for (int k = 0; k < 16; k++)
+                        q[(k / 4) * 64 + j * 4 + k % 4] = qs[k];
+                }
             }
         }
     }
