@@ -69,6 +69,47 @@ def tune_malloc() -> bool:
         (M_TOP_PAD, TOP_PAD)))
 
 
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64
+
+
+class WeightArena:
+    """Buffers for weights that live as long as their model (packed tiles), carved one after
+    another from anonymous mappings of `chunk` bytes aligned to 2 MiB, with transparent huge
+    pages asked for (MADV_HUGEPAGE: the kernel decides; its "never" leaves 4 KiB pages).
+
+    NOTE: a decode step streams every weight from DRAM, and 4 KiB pages cost it: in 2 MiB
+    pages the 1B-class Q4_K_M decoded at 27.2-28.0 against 28.8-29.4 ms/token, the bundled
+    model at 4.07-4.76 against 4.28-4.85 (two copies of one model in one process, steps
+    alternating; AVX-512 EPYC, 2026-12-04). A mapping goes when the last tensor on it does
+    (frombuffer keeps a reference), so a model's weights leave with it; a chunk's unused tail
+    is never touched, so never resident. Without MADV_HUGEPAGE (off Linux), torch.empty.
+    """
+
+    def __init__(self, chunk: int = 64 << 20) -> None:
+        self.chunk = chunk
+        self._free: torch.Tensor | None = None  # the current mapping's unused bytes
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """An uninitialised 1-D uint8 tensor of `nbytes`, 64-byte aligned."""
+        if not hasattr(mmap, "MADV_HUGEPAGE"):
+            return torch.empty(nbytes, dtype=torch.uint8)
+        size = -(-nbytes // 64) * 64
+        if self._free is None or self._free.numel() < size:
+            self._free = _huge_mapping(max(self.chunk, -(-size // HUGE_PAGE) * HUGE_PAGE))
+        out, self._free = self._free[:nbytes], self._free[size:]
+        return out
+
+
+def _huge_mapping(size: int) -> torch.Tensor:
+    """`size` bytes (a multiple of 2 MiB) of a fresh private anonymous mapping, starting on a
+    2 MiB boundary, huge pages asked for."""
+    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start : start + size]
+
+
 def untouched_zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
     """`count` contiguous zero tensors of `shape` in one private anonymous mapping, none of
     whose pages is resident until written.

@@ -141,16 +141,21 @@ def fuses(gate_up_type: int, down_type: int) -> bool:
     return (gate_up_type in kquant.TYPES) == (down_type in kquant.TYPES)
 
 
-def pack(blocks: torch.Tensor, type_id: int, k: int) -> torch.Tensor:
+def pack(blocks: torch.Tensor, type_id: int, k: int,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """Raw blocks [N, row_bytes] -> packed tiles, a 1-D uint8 tensor of the same size (N
-    rounded up to 16 features)."""
+    rounded up to 16 features): `out` (contiguous uint8, packed_bytes long) or a new one."""
     _library()
     if blocks.dtype != torch.uint8 or not blocks.is_contiguous():
         raise ValueError("blocks must be a contiguous uint8 tensor")
     n = blocks.shape[0]
     if not packs(type_id, k) or blocks.shape[1] != row_bytes(type_id, k):
         raise ValueError(f"cannot pack {TYPE_NAMES.get(type_id, type_id)} blocks of width {k}")
-    out = torch.empty(packed_bytes(type_id, n, k), dtype=torch.uint8)
+    size = packed_bytes(type_id, n, k)
+    if out is None:
+        out = torch.empty(size, dtype=torch.uint8)
+    elif out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != size:
+        raise ValueError(f"out must be a contiguous uint8 tensor of {size} bytes")
     if _packed_fn(type_id, "pack")(type_id, blocks.data_ptr(), n, k, out.data_ptr()):
         raise RuntimeError("quant_pack failed")
     return out

@@ -1,6 +1,7 @@
 """The engine's resident memory: the CPU KV pool is committed as it is written (zeros that
 cost no resident memory until a block is written, engine.allocator.untouched_zeros, read as
-0.0 before that); the engine process does not import what it never uses."""
+0.0 before that); packed weights lie in huge-page mappings (engine.allocator.WeightArena);
+the engine process does not import what it never uses."""
 
 from __future__ import annotations
 
@@ -11,9 +12,62 @@ from pathlib import Path
 
 import torch
 
-from engine.allocator import resident_bytes, untouched_zeros
+from engine.allocator import HUGE_PAGE, WeightArena, resident_bytes, untouched_zeros
 
 MIB = 2**20
+
+
+def _mapping(address: int) -> tuple[int, set[str]]:
+    """(start, VmFlags) of this process's mapping that holds `address` (/proc/self/smaps)."""
+    start = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            start = lo if lo <= address < hi else None
+        elif start is not None and head == "VmFlags:":
+            return start, set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_weight_arena_hands_out_disjoint_aligned_buffers_on_huge_page_mappings():
+    arena = WeightArena(chunk=4 * MIB)
+    sizes = [100, 5000, 3 * MIB, 6 * MIB, 64, 1]  # 6 MiB: more than a chunk, a mapping of its own
+    bufs = [arena.empty(n) for n in sizes]
+    for i, (b, n) in enumerate(zip(bufs, sizes, strict=True)):
+        assert b.dtype == torch.uint8 and b.numel() == n and b.is_contiguous()
+        assert b.data_ptr() % 64 == 0
+        b.fill_(i)
+        start, flags = _mapping(b.data_ptr())
+        assert "hg" in flags  # MADV_HUGEPAGE: the kernel may back it with 2 MiB pages
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel()) for b in bufs)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no overlap
+    assert all(bool((b == i).all()) for i, b in enumerate(bufs))  # nothing written over
+    # each new mapping starts on a 2 MiB boundary: the first chunk (100 B, 5000 B and 3 MiB
+    # in it), the 6 MiB one, and the next chunk after it (64 B)
+    assert all(bufs[i].data_ptr() % HUGE_PAGE == 0 for i in (0, 3, 4))
+    assert bufs[2].data_ptr() - bufs[0].data_ptr() < 4 * MIB
+
+
+def test_a_gguf_models_packed_tiles_lie_in_the_arena(tiny_model_dir, bundled_tokenizer_dir,
+                                                     tmp_path):
+    """Where this CPU packs Q4_1 (AVX-512 VNNI), every packed part of the loaded model sits in
+    a huge-page mapping; elsewhere nothing is packed and the raw blocks stay where they are."""
+    from tiny_quant_gguf import write_tiny_gguf
+
+    from engine import LLM
+    from engine.models.quant_linear import QuantLinear
+    from kernels.cpu import quant as cpu_quant
+
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / "q4_1.gguf", "Q4_1")
+    llm = LLM(str(path), tokenizer=str(bundled_tokenizer_dir), max_model_len=64,
+              num_gpu_blocks=8, quantization="gguf")
+    model = llm.engine.runner.model
+    parts = [p for m in model.modules() if isinstance(m, QuantLinear) for p in m.parts]
+    packs = cpu_quant.packs(parts[0].type_id, parts[0].cols)
+    assert parts and all(p.packed == packs for p in parts)
+    for p in (*parts, model.embed_tokens.weight_q) if packs else ():
+        assert "hg" in _mapping(p.data.data_ptr())[1]
 
 
 def test_untouched_zeros_grow_with_what_is_written():
