@@ -104,7 +104,10 @@ def _huge_mapping(size: int) -> torch.Tensor:
     """`size` bytes (a multiple of 2 MiB) of a fresh private anonymous mapping, starting on a
     2 MiB boundary, huge pages asked for."""
     region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # NOTE: EINVAL from a kernel built without transparent huge pages
+        pass
     whole = torch.frombuffer(region, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start : start + size]

@@ -15,6 +15,7 @@ import torch
 from engine.allocator import HUGE_PAGE, WeightArena, resident_bytes, untouched_zeros
 
 MIB = 2**20
+THP = Path("/sys/kernel/mm/transparent_hugepage")  # absent: a kernel without huge pages
 
 
 def _mapping(address: int) -> tuple[int, set[str]]:
@@ -39,7 +40,8 @@ def test_weight_arena_hands_out_disjoint_aligned_buffers_on_huge_page_mappings()
         assert b.data_ptr() % 64 == 0
         b.fill_(i)
         start, flags = _mapping(b.data_ptr())
-        assert "hg" in flags  # MADV_HUGEPAGE: the kernel may back it with 2 MiB pages
+        # MADV_HUGEPAGE: the kernel may back it with 2 MiB pages (where it has them at all)
+        assert "hg" in flags or not THP.exists()
     spans = sorted((b.data_ptr(), b.data_ptr() + b.numel()) for b in bufs)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no overlap
     assert all(bool((b == i).all()) for i, b in enumerate(bufs))  # nothing written over
@@ -67,7 +69,7 @@ def test_a_gguf_models_packed_tiles_lie_in_the_arena(tiny_model_dir, bundled_tok
     packs = cpu_quant.packs(parts[0].type_id, parts[0].cols)
     assert parts and all(p.packed == packs for p in parts)
     for p in (*parts, model.embed_tokens.weight_q) if packs else ():
-        assert "hg" in _mapping(p.data.data_ptr())[1]
+        assert "hg" in _mapping(p.data.data_ptr())[1] or not THP.exists()
 
 
 def test_untouched_zeros_grow_with_what_is_written():
