@@ -114,17 +114,14 @@ def _layer_weights(layer: torch.nn.Module, eps: float) -> cpu_fused.LayerWeights
     attn, mlp = layer.self_attn, layer.mlp.fused
     if attn.softcap is not None or not isinstance(mlp, QuantMLP):
         return None
-    extra = {}
+    norms = {"input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm}
     if attn.q_norm is not None:
-        extra.update(q_norm=attn.q_norm, k_norm=attn.k_norm)
+        norms.update(q_norm=attn.q_norm, k_norm=attn.k_norm)
     if isinstance(layer, GemmaDecoderLayer):
-        extra.update(pre_ff_norm=layer.pre_feedforward_layernorm,
+        norms.update(pre_ff_norm=layer.pre_feedforward_layernorm,
                      post_ff_norm=layer.post_feedforward_layernorm)
-    modules = [layer.input_layernorm, layer.post_attention_layernorm, *extra.values()]
-    if any(n.weight.dtype != torch.float32 or n.eps != eps for n in modules):
+    if any(n.weight.dtype != torch.float32 or n.eps != eps for n in norms.values()):
         return None
-    norms = [n.weight.detach() for n in modules[:2]]
-    extra = {name: n.weight.detach() for name, n in extra.items()}
     qkv, o = _segments(attn.qkv_proj), _segments(attn.o_proj)
     if qkv is None or o is None:
         return None
@@ -133,10 +130,11 @@ def _layer_weights(layer: torch.nn.Module, eps: float) -> cpu_fused.LayerWeights
         down = ([(mlp.down.data, mlp.down.type_id, mlp.down.rows)], True)
     else:
         gate_up, down = ((segments, False) for segments in mlp.segments)
-    products = (qkv, o, gate_up, down)
-    return cpu_fused.LayerWeights(*norms, *(segments for segments, _ in products),
-                                  packed=tuple(packed for _, packed in products),
-                                  window=attn.window, local=layer.uses_local_rope, **extra)
+    products = {"qkv": qkv, "o": o, "gate_up": gate_up, "down": down}
+    return cpu_fused.LayerWeights(
+        **{name: segments for name, (segments, _) in products.items()},
+        packed=tuple(packed for _, packed in products.values()), window=attn.window,
+        local=layer.uses_local_rope, **{name: n.weight.detach() for name, n in norms.items()})
 
 
 def _segments(proj: torch.nn.Module) -> tuple[list[Segment | PackedSegment], bool] | None:
