@@ -85,9 +85,11 @@ def test_cpu_write_kv_of_strided_rows_equals_the_torch_backend():
 
 
 # (cached, new) decodes: one long sequence split across threads, and beside it a short one
-# whose later splits hold no blocks.
+# whose later splits hold no blocks; a short sequence alone, split only because it is fewer
+# than the threads (13 blocks in 3 uneven splits: 5, 5 and 3).
 # With a window, the splits cover the window's blocks only (its first one from mid-block).
-@pytest.mark.parametrize("seqs", [[(2100, 1)], [(2100, 1), (3, 1)], [(600, 1), (1200, 1)]])
+@pytest.mark.parametrize("seqs", [[(2100, 1)], [(2100, 1), (3, 1)], [(600, 1), (1200, 1)],
+                                  [(200, 1)]])
 @pytest.mark.parametrize("num_threads", [1, 2, 8])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("window", [None, 1, 777])

@@ -35,6 +35,32 @@ typedef struct {
     int group, head_dim, block_size, kv_heads;
 } Shape;
 
+/* blocks the first head's pass prefetches ahead (attend8 on AVX2, one run each: 2 and 3 took
+ * 0.6-0.9x the time of 1, 4 no less than 2; attend16, which took 1 before: the bundled model's
+ * batch-1 decode steps no faster or slower, 0.97-1.0x with 2 or 4) */
+#define AHEAD 2
+
+/* The first head's pass, at the block holding `start`: the blocks AHEAD ahead, every head
+ * (the later heads' passes find them in L2); at the first block, the ones before AHEAD too.
+ * Blocks past `last` are not touched (their table entries may not exist). */
+static inline __attribute__((always_inline)) void
+prefetch_ahead(const Shape *c, int start, int first, int last, int64_t esize)
+{
+    const int block_size = c->block_size;
+    const int64_t bytes = block_size * c->tok_stride * esize;
+    for (int ahead = start == first ? 1 : AHEAD; ahead <= AHEAD; ahead++) {
+        const int b = start / block_size + ahead;
+        if (b * block_size >= last)
+            break;
+        const char *kn = (const char *)c->k_cache + c->table[b] * bytes;
+        const char *vn = (const char *)c->v_cache + c->table[b] * bytes;
+        for (int64_t i = 0; i < bytes; i += 64) {
+            __builtin_prefetch(kn + i);
+            __builtin_prefetch(vn + i);
+        }
+    }
+}
+
 static inline float load1(const void *p, int64_t i, const int F16)
 {
     if (!F16)
@@ -149,9 +175,6 @@ attend(const Shape *c, int h, const float *qs, int first, int last, float *acc, 
  * 48 ymm) and shuffled across them; on a 2-core AVX2 EPYC, 9/3 heads of 64, 2 threads,
  * `python -m bench.attention --backends cpu`: 2.5-3.7x the time of SDPA over a contiguous
  * cache that way, 0.96-1.19x this way (float16 cache 2.3-2.6x faster). */
-/* blocks the first head's pass prefetches ahead (one run each here: 2 and 3 took 0.6-0.9x
- * the time of 1, 4 no less than 2) */
-#define AHEAD 2
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4))); /* unaligned loads */
 
@@ -200,20 +223,8 @@ attend8(const Shape *c, int h, const float *qs, int first, int last, float *acc,
         n = last - start < block_size - off ? last - start : block_size - off;
         const int64_t base = (c->table[start / block_size] * block_size * kv_heads + h) * HD
                              + off * tok_stride;
-        /* blocks ahead, every head (the later heads' passes find them in L2); at the first
-         * block, the ones before AHEAD too */
-        for (int ahead = start == first ? 1 : AHEAD; h == 0 && ahead <= AHEAD; ahead++) {
-            const int b = start / block_size + ahead;
-            if (b * block_size >= last)
-                break;
-            const int64_t at = c->table[b] * block_size * tok_stride;
-            const char *kn = (const char *)c->k_cache + at * esize;
-            const char *vn = (const char *)c->v_cache + at * esize;
-            for (int64_t i = 0; i < block_size * tok_stride * esize; i += 64) {
-                __builtin_prefetch(kn + i);
-                __builtin_prefetch(vn + i);
-            }
-        }
+        if (h == 0)
+            prefetch_ahead(c, start, first, last, esize);
         for (int t0 = 0; t0 < n; t0 += 8) {
             const int nt = n - t0 < 8 ? n - t0 : 8;
             const int64_t kb = base + t0 * tok_stride; /* element index of token t0 */
@@ -333,16 +344,8 @@ attend16(const Shape *c, int h, const float *qs, int first, int last, float *acc
         n = last - start < block_size - off ? last - start : block_size - off;
         const int64_t base = (c->table[start / block_size] * block_size * kv_heads + h) * HD
                              + off * tok_stride;
-        if (h == 0 && start - off + block_size < last) {
-            /* the next block, every head (the later heads' passes find it in L2) */
-            const int64_t next = c->table[start / block_size + 1] * block_size * tok_stride;
-            const char *kn = (const char *)c->k_cache + next * esize;
-            const char *vn = (const char *)c->v_cache + next * esize;
-            for (int64_t i = 0; i < block_size * tok_stride * esize; i += 64) {
-                __builtin_prefetch(kn + i);
-                __builtin_prefetch(vn + i);
-            }
-        }
+        if (h == 0)
+            prefetch_ahead(c, start, first, last, esize);
         for (int t0 = 0; t0 < n; t0 += 16) {
             const int nt = n - t0 < 16 ? n - t0 : 16;
             const int64_t kb = base + t0 * tok_stride; /* element index of token t0 */
@@ -457,8 +460,13 @@ static void paged_decode(
     }
     int splits = (2 * num_threads + num_seqs - 1) / num_seqs;
     /* NOTE: a split must be worth its merge and second parallel region: 8+ blocks each
-     * (bench: 1 sequence of 256-512 tokens 1.3-1.5x faster than with 32+, larger batches even) */
-    splits = splits < max_blocks / MIN_SPLIT_BLOCKS ? splits : max_blocks / MIN_SPLIT_BLOCKS;
+     * (bench: 1 sequence of 256-512 tokens 1.3-1.5x faster than with 32+, larger batches even),
+     * or 4+ where the sequences are fewer than the threads, which would otherwise idle: the
+     * bundled model's batch-1 decode steps over 128-256 tokens took 0.94x the time, over
+     * 16-144 0.99x (2 threads, a float16 cache; more sequences, or longer ones, split as
+     * before) */
+    const int min_blocks = num_seqs < num_threads ? MIN_SPLIT_BLOCKS / 2 : MIN_SPLIT_BLOCKS;
+    splits = splits < max_blocks / min_blocks ? splits : max_blocks / min_blocks;
     splits = splits > 1 ? splits : 1;
     splits = splits < MAX_SPLITS ? splits : MAX_SPLITS;
     /* per (seq, head, split): acc [rows], then m and l [group] each */
