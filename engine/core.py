@@ -461,7 +461,8 @@ def _load_model(config: EngineConfig, source, dtype: torch.dtype, device: torch.
                 quantization: str, numerics: str):
     """The model (rank 0's shard under tensor parallelism), its config, the other ranks."""
     if config.tensor_parallel_size == 1:
-        return (*load_model(source, dtype, device, quantization, numerics), None)
+        return (*load_model(source, dtype, device, quantization, numerics,
+                            config.packed_tile_cache), None)
     if not source.is_gguf and from_hf_config(source.path).num_labels is not None:
         raise ValueError("tensor_parallel_size: a cross-encoder (sequence classifier) is served "
                          "on one rank only")

@@ -143,6 +143,13 @@ class EngineConfig:
                                           "dtype); auto: gguf for a GGUF where it runs, else none",
                                   "choices": _QUANTIZATIONS}
     )
+    packed_tile_cache: bool = field(
+        default=True, metadata={"help": "keep a quantized GGUF's packed tiles in a file beside "
+                                "its other derived files ($PAGEDSERVE_CACHE, else "
+                                "~/.cache/pagedserve; a second copy of its quantized "
+                                "weights), so that later starts map them instead of packing "
+                                "them again"}
+    )
     quantization_numerics: str = field(
         default="auto", metadata={"help": "quantized products: a32 (weights expanded to "
                                           "float32, float32 FMA: the dequantized model's "

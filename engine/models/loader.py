@@ -28,11 +28,13 @@ QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, quantization: str = "none",
-    numerics: str = "a32",
+    numerics: str = "a32", tile_cache: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """quantization: a concrete mode from `resolve_quantization` (none, gguf or int8)."""
+    """quantization: a concrete mode from `resolve_quantization` (none, gguf or int8);
+    tile_cache: gguf's packed tiles mapped from, or saved to, the source's tiles file
+    (engine/models/tile_store.py)."""
     if quantization == "gguf":
-        return _gguf_quantized(source, dtype, device, numerics)
+        return _gguf_quantized(source, dtype, device, numerics, tile_cache)
     if source.is_gguf:
         cfg, weights = _gguf_dequantized(source)
     else:
@@ -145,10 +147,11 @@ def float32_cache(source: ModelSource) -> Path:
 
 
 def _gguf_quantized(source: ModelSource, dtype: torch.dtype, device: torch.device,
-                    numerics: str) -> tuple[LlamaForCausalLM, ModelConfig]:
+                    numerics: str, tile_cache: bool) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model with its GGUF's linear and embedding weights kept in their blocks; tensors of
     types without a kernel are dequantized (one log line each), norms are float32 already."""
     from engine.models.quant_linear import QuantWeight, install_quantized
+    from engine.models.tile_store import TileStore, model_store
     from kernels.cpu import quant as cpu_quant
 
     reader = _open_gguf(source.path)
@@ -188,7 +191,9 @@ def _gguf_quantized(source: ModelSource, dtype: torch.dtype, device: torch.devic
             quant[name] = QuantWeight(tensor, None, *tensor.shape)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
-    used = install_quantized(model, quant, numerics, floats)
+    tiles = model_store(source.cache_dir()) if tile_cache else TileStore()
+    used = install_quantized(model, quant, numerics, floats, tiles)
+    tiles.save()
     _materialize(model, dtype, device)
     model.load_weights((n, t) for n, t in floats.items() if n not in used)
     del reader, quant, floats

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.allocator import WeightArena
+from engine.models.tile_store import TileStore
 from kernels.cpu import blocks as cpu_blocks
 from kernels.cpu import lora as cpu_lora
 from kernels.cpu import quant as cpu_quant
@@ -84,17 +84,17 @@ class QuantWeight:
         assert not self.packed
         return QuantWeight(self.data[index].contiguous(), self.type_id, self.rows, self.cols)
 
-    def pack(self, arena: WeightArena | None = None) -> QuantWeight:
+    def pack(self, tiles: TileStore | None = None) -> QuantWeight:
         """The packed form where this CPU and type have the packed kernels, else self; its
-        tiles in `arena` (engine/allocator.py: huge pages) when given.
+        tiles from `tiles` (engine/models/tile_store.py: huge pages, or a file an earlier load
+        wrote) when given.
         NOTE: the packed kernels are 2.5-5x faster at 1-8 rows (576 -> 3072 Q4_1, one row,
         two threads: a8 0.020 ms against 0.096 on raw blocks, a32 0.049 against 0.099)."""
         if self.packed or self.type_id is None or not cpu_quant.packs(self.type_id, self.cols):
             return self
-        out = None if arena is None else arena.empty(
-            cpu_quant.packed_bytes(self.type_id, self.rows, self.cols))
-        return QuantWeight(cpu_quant.pack(self.data, self.type_id, self.cols, out=out),
-                           self.type_id, self.rows, self.cols, packed=True)
+        data = (cpu_quant.pack(self.data, self.type_id, self.cols) if tiles is None
+                else tiles.pack(self.data, self.type_id, self.rows, self.cols))
+        return QuantWeight(data, self.type_id, self.rows, self.cols, packed=True)
 
     def rows_f32(self, ids: torch.Tensor | None = None, first: int = 0,
                  count: int | None = None) -> torch.Tensor:
@@ -114,7 +114,7 @@ class QuantLinear(nn.Module):
     """y = x @ W^T (+ bias) with W the row-wise concatenation of `parts`."""
 
     def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None,
-                 numerics: str, arena: WeightArena | None = None) -> None:
+                 numerics: str, tiles: TileStore | None = None) -> None:
         super().__init__()
         if numerics not in NUMERICS:
             raise ValueError(f"quantization_numerics must be one of {NUMERICS}")
@@ -124,7 +124,7 @@ class QuantLinear(nn.Module):
         self.in_features = cols.pop()
         self.out_features = sum(p.rows for p in parts)
         # NOTE: not Parameters or buffers: to_empty() must not replace them
-        self.parts = [p.pack(arena) for p in _merge_same_type(parts)]
+        self.parts = [p.pack(tiles) for p in _merge_same_type(parts)]
         self.numerics = numerics
         self._rows_limit = packed_rows_limit(numerics)
         self.bias = None if bias is None else bias.detach().float()
@@ -296,11 +296,11 @@ class QuantMLP(nn.Module):
 class QuantEmbedding(nn.Module):
     """Embedding rows gathered from blocks and expanded to float32 per lookup."""
 
-    def __init__(self, weight: QuantWeight, arena: WeightArena | None = None) -> None:
+    def __init__(self, weight: QuantWeight, tiles: TileStore | None = None) -> None:
         super().__init__()
         if weight.type_id is None:
             raise ValueError("QuantEmbedding needs a quantized weight")
-        self.weight_q = weight.pack(arena)
+        self.weight_q = weight.pack(tiles)
         self.num_embeddings, self.embedding_dim = weight.rows, weight.cols
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -313,13 +313,15 @@ class QuantEmbedding(nn.Module):
 
 
 def install_quantized(model: nn.Module, weights: dict[str, QuantWeight], numerics: str,
-                      biases: dict[str, torch.Tensor] | None = None) -> set[str]:
+                      biases: dict[str, torch.Tensor] | None = None,
+                      tiles: TileStore | None = None) -> set[str]:
     """Replace `model`'s layers whose weights are all in `weights` (HF names); returns the
     names used, which the caller must not load again. A layer with only some of its parts
     quantized gets the rest as dense float32 segments (`weights` holds those too, type None).
-    Packed tiles go to one WeightArena (huge pages) per call: the model's."""
+    Packed tiles come from one TileStore per call, the model's: `tiles`, else a new one (a
+    WeightArena's huge pages, no file)."""
     biases = biases or {}
-    arena = WeightArena()
+    tiles = tiles or TileStore()
     groups: dict[str, dict[int, str]] = {}
     for hf_name in weights:
         name = hf_name.removeprefix("model.")
@@ -345,17 +347,17 @@ def install_quantized(model: nn.Module, weights: dict[str, QuantWeight], numeric
                 raise KeyError(f"biases of {path!r} missing from the checkpoint")
             bias = torch.cat([biases[n] for n in names])
             used.update(names)
-        _set_module(model, path, QuantLinear(parts, bias, numerics, arena))
+        _set_module(model, path, QuantLinear(parts, bias, numerics, tiles))
         used.update(shards.values())
     embed = weights.get("model.embed_tokens.weight")
     if embed is not None and embed.type_id is not None:
-        model.embed_tokens = QuantEmbedding(embed, arena)
+        model.embed_tokens = QuantEmbedding(embed, tiles)
         used.add("model.embed_tokens.weight")
         if getattr(model, "lm_head", None) is None:  # NOTE: tied: the same (packed) blocks
             model.lm_head = QuantLinear([model.embed_tokens.weight_q], None, numerics)
     head = weights.get("lm_head.weight")
     if head is not None and head.type_id is not None and model.lm_head is not None:
-        model.lm_head = QuantLinear([head], None, numerics, arena)
+        model.lm_head = QuantLinear([head], None, numerics, tiles)
         used.add("lm_head.weight")
     return used
 
@@ -395,16 +397,16 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:
 def quantize_dense_model(model: nn.Module, numerics: str) -> int:
     """`--quantization int8`: every plain nn.Linear and the embedding (and so a tied head) of
     a loaded dense model become Q8_0 layers; returns the number of layers replaced."""
-    count, arena = 0, WeightArena()
+    count, tiles = 0, TileStore()
     for path, module in list(model.named_modules()):
         if type(module) is nn.Linear and module.in_features % 32 == 0:
             bias = None if module.bias is None else module.bias.detach()
             _set_module(model, path,
-                        QuantLinear([quantize_q8_0(module.weight)], bias, numerics, arena))
+                        QuantLinear([quantize_q8_0(module.weight)], bias, numerics, tiles))
             count += 1
     embed = getattr(model, "embed_tokens", None)
     if type(embed) is nn.Embedding and embed.embedding_dim % 32 == 0:
-        model.embed_tokens = QuantEmbedding(quantize_q8_0(embed.weight), arena)
+        model.embed_tokens = QuantEmbedding(quantize_q8_0(embed.weight), tiles)
         if getattr(model, "lm_head", None) is None:
             model.lm_head = QuantLinear([model.embed_tokens.weight_q], None, numerics)
         count += 1

@@ -121,6 +121,13 @@ def load() -> ctypes.CDLL:
     return _lib
 
 
+def build_id() -> str:
+    """This process's library build (its cached file's name, which holds the hash of its
+    sources, flags, compiler and CPU): what a build writes to disk only the same build reads
+    back (engine/models/tile_store.py's tiles)."""
+    return Path(load()._name).stem
+
+
 def available() -> bool:
     """The library is built and loaded (tried once per process)."""
     try:
