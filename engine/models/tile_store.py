@@ -19,6 +19,7 @@ import mmap
 import os
 import struct
 import tempfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -47,26 +48,27 @@ class TileStore:
         self.path, self.min_bytes = path, min_bytes
         self.arena = arena or WeightArena()
         self.mapped = self.packed = 0  # tiles handed out from the file, and packed here
-        self._entries: list[list[int]] = []  # [offset, nbytes, type, rows, cols]
+        self._entries: list[list[int]] = []  # [offset, nbytes, type, rows, cols, fingerprint]
         self._file: torch.Tensor | None = None
-        self._tiles: list[tuple[list[int], torch.Tensor]] = []  # [type, rows, cols], tiles
+        self._tiles: list[tuple[list[int], torch.Tensor]] = []  # [type, rows, cols, print], tiles
         if path is not None and path.is_file():
             self._open(path)
 
     def pack(self, blocks: torch.Tensor, type_id: int, rows: int, cols: int) -> torch.Tensor:
         """The packed tiles of raw blocks [rows, row_bytes] of this type (cpu_quant.pack's)."""
         nbytes = cpu_quant.packed_bytes(type_id, rows, cols)
+        shape = [type_id, rows, cols, _fingerprint(blocks)]
         if self._file is not None and self.mapped < len(self._entries):
-            offset, size, *shape = self._entries[self.mapped]
-            if [size, *shape] == [nbytes, type_id, rows, cols]:
+            offset, size, *saved = self._entries[self.mapped]
+            if [size, *saved] == [nbytes, *shape]:
                 self.mapped += 1
-                return self._keep([type_id, rows, cols], self._file[offset : offset + size])
+                return self._keep(shape, self._file[offset : offset + size])
             log.warning("%s does not match this load from its entry %d on; packing the rest",
                         self.path, self.mapped)
             self._file, self._entries = None, []
         self.packed += 1
-        out = cpu_quant.pack(blocks, type_id, cols, out=self.arena.empty(nbytes))
-        return self._keep([type_id, rows, cols], out)
+        return self._keep(shape, cpu_quant.pack(blocks, type_id, cols,
+                                                out=self.arena.empty(nbytes)))
 
     def save(self) -> None:
         """Write this load's tiles to `path` (atomically) where it packed any of them and they
@@ -95,7 +97,7 @@ class TileStore:
             return
         entries = index.get("entries") if isinstance(index, dict) else None
         if not (isinstance(entries, list) and all(
-                isinstance(e, list) and len(e) == 5 and all(type(x) is int for x in e)
+                isinstance(e, list) and len(e) == 6 and all(type(x) is int for x in e)
                 and e[0] % _ALIGN == 0 and 0 <= e[0] <= e[0] + e[1] <= len(region)
                 for e in entries)):
             log.warning("%s is not a whole tiles file; packing instead", path)
@@ -107,6 +109,15 @@ def model_store(cache_dir: Path) -> TileStore:
     """The store of one GGUF's load: its tiles file in `cache_dir` (the source's), named for
     this CPU library build."""
     return TileStore(cache_dir / f"tiles-{library.build_id()}.bin")
+
+
+def _fingerprint(blocks: torch.Tensor) -> int:
+    """CRC-32 of a weight's first, middle and last rows of raw blocks: an entry is mapped only
+    for the same weight (two of one shape, their order swapped by a change in the loader, are
+    told apart), and this reads three rows of the GGUF, not the whole weight."""
+    rows = blocks.shape[0]
+    picked = blocks[[0, rows // 2, rows - 1]].numpy()
+    return zlib.crc32(picked.tobytes())
 
 
 def _write(path: Path, packed: list[tuple[list[int], torch.Tensor]]) -> None:

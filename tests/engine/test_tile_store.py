@@ -86,6 +86,21 @@ def test_a_file_that_stops_matching_is_packed_from_there_on_and_rewritten(tmp_pa
     assert (third.mapped, third.packed) == (3, 0)
 
 
+def test_two_weights_of_one_shape_in_swapped_order_are_not_mapped_onto_each_other(tmp_path):
+    """Entries match by their raw blocks' fingerprint too: a loader that came to pack the same
+    shapes in another order gets each weight's own tiles."""
+    a, b = _weights(seed=2)[0], _weights(seed=3)[0]  # NOTE: one shape, other contents
+    path = tmp_path / "tiles-build.bin"
+    store = TileStore(path, min_bytes=0)
+    _pack_all(store, [a, b])
+    store.save()
+    swapped = TileStore(path, min_bytes=0)
+    tiles = _pack_all(swapped, [b, a])
+    assert (swapped.mapped, swapped.packed) == (0, 2)
+    assert torch.equal(tiles[0], cpu_quant.pack(b[0], b[1], b[3]))
+    assert torch.equal(tiles[1], cpu_quant.pack(a[0], a[1], a[3]))
+
+
 @pytest.mark.parametrize("damage", ["truncated", "magic", "index", "entry"])
 def test_a_broken_file_is_packed_over_and_repaired(tmp_path, damage, caplog):
     weights = _weights()
