@@ -296,7 +296,8 @@ class EngineCore:
         source = resolve_model(config.speculative_model)
         mode = resolve_quantization(config.quantization, source, self.dtype, self.device)
         draft, cfg = load_model(source, self.dtype, self.device, mode,
-                                resolve_numerics(config.quantization_numerics, mode))
+                                resolve_numerics(config.quantization_numerics, mode),
+                                config.packed_tile_cache)
         if cfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(
                 f"the speculative model's vocabulary ({cfg.vocab_size}) differs from the "

@@ -189,3 +189,25 @@ def test_the_engine_maps_the_bundled_models_tiles_on_its_second_load(tmp_path, m
     for a, b, c in zip(off_parts, first_parts, second_parts, strict=True):
         assert torch.equal(a.data, b.data) and torch.equal(a.data, c.data)
     assert off_tokens == first_tokens == second_tokens
+
+
+def test_a_draft_model_keeps_its_own_tiles_file(tmp_path, monkeypatch, bundled_tokenizer_dir):
+    """--speculative-method draft loads its GGUF with the same packed_tile_cache: the bundled
+    file as its own draft gets a second tiles file (its own cache directory), mapped the
+    next time."""
+    from engine import LLM
+    from ipc.model_source import bundled_gguf
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+
+    def load():
+        return LLM(None, tokenizer=str(bundled_tokenizer_dir), quantization="gguf",
+                   max_model_len=128, num_gpu_blocks=16, speculative_method="draft",
+                   speculative_model=str(bundled_gguf()), num_speculative_tokens=2)
+
+    load()
+    files = sorted(tmp_path.rglob("tiles-*.bin"))
+    assert len(files) == 2 and files[0].parent != files[1].parent
+    draft = load().engine.runner.draft.model
+    head = draft.lm_head.parts[0]
+    assert head.packed and _tiles_mapping(head.data.data_ptr()) in map(str, files)
