@@ -13,7 +13,7 @@ PYTEST_ARGS ?= -n $(PYTEST_WORKERS) --dist loadfile
 TS      := clients/typescript
 NPM_STAMP := $(TS)/node_modules/.installed
 
-.PHONY: test test-js chromium compiler serve setup lint clean soak
+.PHONY: test test-js chromium compiler serve setup lint clean soak mutants
 
 setup: $(STAMP) compiler
 
@@ -70,6 +70,12 @@ SOAK_OUT ?= bench/soak.json
 soak: $(STAMP)
 	PAGEDSERVE_SOAK_SECONDS=$(SOAK_SECONDS) PAGEDSERVE_SOAK_OUT=$(SOAK_OUT) \
 		$(BIN)/python -m pytest -s -p no:cacheprovider tests/ops/test_soak.py
+
+# The mutant catalogue (tests/mutants/catalogue.toml): each mutant alone against its tests;
+# never in CI (too slow). MUTANTS_ARGS="--only ID" runs one.
+MUTANTS_ARGS ?=
+mutants: $(STAMP) compiler
+	$(BIN)/python tests/mutants/run.py $(MUTANTS_ARGS)
 
 serve: $(STAMP) compiler
 	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT)

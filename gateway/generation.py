@@ -106,6 +106,7 @@ class Piece:
     cumulative_logprob: float | None = None  # with best_of: the choice's total so far
     error_param: str | None = None  # the request field at fault (a grammar that failed)
     pooled: list[float] | None = None  # a pooling request's vector, on its last piece
+    forced: bool = False  # its tokens were forced by budget closing (TokenDelta.forced_closing)
 
 
 def piece_error(piece: Piece) -> ApiError:
@@ -255,14 +256,16 @@ class Generation:
             if not delta.finished:
                 self._abort_choice(i)
             self._end_choice(i, FINISH_STOP)
-            return Piece(safe, ids, lp, FINISH_STOP, index=i, cumulative_logprob=total)
+            return Piece(safe, ids, lp, FINISH_STOP, index=i, cumulative_logprob=total,
+                         forced=delta.forced_closing)
         if delta.finished:
             self._end_choice(i, delta.finish_reason)
             return Piece(safe, ids, lp, delta.finish_reason, delta.error, index=i,
                          cumulative_logprob=total, error_param=delta.error_param,
-                         pooled=delta.pooled)
+                         pooled=delta.pooled, forced=delta.forced_closing)
         if safe or ids:
-            return Piece(safe, ids, lp, index=i, cumulative_logprob=total)
+            return Piece(safe, ids, lp, index=i, cumulative_logprob=total,
+                         forced=delta.forced_closing)
         return None
 
     def _abort_choice(self, index: int) -> None:

@@ -118,6 +118,9 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     error_param: str | None = None
     # a pooling request's vector, on its terminal delta (ipc/pooling.py)
     pooled: list[float] | None = None
+    # these tokens were forced by the grammar's budget closing: what the model had begun is
+    # being cut short to fit max_tokens (the gateway never returns a tool call so cut)
+    forced_closing: bool = False
 
     @property
     def finished(self) -> bool:

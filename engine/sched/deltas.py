@@ -29,6 +29,7 @@ def delta(req: Request, tokens: list[int], logprobs=None) -> TokenDelta:
         error=req.error if req.finish_reason is not None else None,
         error_param=req.error_param if req.finish_reason is not None else None,
         pooled=req.pooled,
+        forced_closing=req.closing.forced and bool(tokens),
     )
 
 

@@ -59,6 +59,7 @@ class Closing:
     forced: bool = False  # the closing is being forced now
     # (output tokens, closing): the closing found from the state after that many outputs
     after: tuple[int, list[int] | None] = (-1, None)
+    refused_at: int | None = None  # the output position whose sampled token was refused
 
 
 class Request:

@@ -69,9 +69,10 @@ class Blocks:
         return out
 
     def stop_reason(self, finish_reason: str | None, stop_string: str | None) -> StopReason:
+        """Of ChoiceEvents.finish_reason's answer (`tool_calls`: the reply ended on calls)."""
         if finish_reason == FINISH_LENGTH:
             return "max_tokens"
-        if finish_reason == FINISH_STOP and self.has_calls:
+        if finish_reason == "tool_calls" or (finish_reason == FINISH_STOP and self.has_calls):
             return "tool_use"
         return "stop_sequence" if stop_string is not None else "end_turn"
 

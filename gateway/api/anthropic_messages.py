@@ -137,7 +137,8 @@ class MessagesApi:
         job = gen.job
         stop = gen.stop_string()
         reply = MessageReply(job.request_id, job.model, blocks.content,
-                             blocks.stop_reason(finish, stop), stop, _usage(gen))
+                             blocks.stop_reason(choice.finish_reason(finish), stop), stop,
+                             _usage(gen))
         return json_response(reply, headers)
 
     async def _events(self, gen: Generation, first: list[Piece | None],
@@ -163,7 +164,8 @@ class MessagesApi:
                     for event in blocks.finish():
                         yield sse(event)
                     stop = gen.stop_string()
-                    delta = StopDelta(blocks.stop_reason(piece.finish_reason, stop), stop)
+                    reason = choice.finish_reason(piece.finish_reason)
+                    delta = StopDelta(blocks.stop_reason(reason, stop), stop)
                     yield sse(MessageDelta(delta, _usage(gen)))
                     yield sse(MessageStop())
                     return

@@ -104,6 +104,7 @@ class _JsonCall:
     verdict: str | None = None  # None: not yet known | "call" | "not"
     args_sent: int = 0  # how much of the arguments was sent
     args_done: bool = False
+    complete: bool = False  # its object closed (a call cut or broken off never does)
 
     def add(self, more: str, closed: bool) -> list[CallEvent]:
         """Feed more of the object's text; `closed`: no more of it will come."""
@@ -135,7 +136,7 @@ class _JsonCall:
             if fragment:
                 events.append(CallEvent(self.index, arguments=fragment))
         if closed or scan.end is not None:
-            self.args_done = True
+            self.args_done, self.complete = True, scan.end is not None
             if key is None:  # NOTE: a call without arguments takes none: "{}", valid JSON
                 events.append(CallEvent(self.index, arguments="{}"))
         return events
@@ -149,6 +150,8 @@ class CallParser:
 
     tools: frozenset[str] | None = None  # the request's function names (None: any name)
     calls: list[tuple[str, str, str]] = field(default_factory=list)  # (id, name, arguments)
+    # call index -> whether its object closed, once the call ended (absent while it is open)
+    ended: dict[int, bool] = field(default_factory=dict)
     _buf: str = ""
     _call: _JsonCall | None = None
     _held: str = ""  # text read before the open object: content if it is not a call
@@ -190,6 +193,8 @@ class CallParser:
                 call_id, name, args = self.calls[call.index]
                 self.calls[call.index] = (call_id, name, args + e.arguments)
             events.append(e)
+        if call.verdict == "call" and call.args_done:
+            self.ended[call.index] = call.complete
         return True
 
     def _content(self, text: str, events: list[CallEvent]) -> None:

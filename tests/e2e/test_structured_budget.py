@@ -1,7 +1,8 @@
 """Budget closing over the real server (bundled SmolLM2) with the official `openai` client:
 at a max_tokens that cuts the JSON with `--no-structured-output-close-on-budget`, the default
-server's reply parses (`parse()` with a Pydantic model) and a forced tool call's arguments
-close and validate (`jsonschema`)."""
+server's reply parses (`parse()` with a Pydantic model); a forced tool call that the budget cuts
+is never returned as a call (with closing or without: `length`, no tool_calls), while the same
+call given room comes back whole and validates (`jsonschema`)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ SEARCH = {"type": "function", "function": {
 SEARCH_ASK = [{"role": "user", "content": "Find me every book about the Roman empire, its "
                                           "emperors, wars, roads and daily life, and explain "
                                           "at length why each is worth reading."}]
+SHORT_ASK = [{"role": "user", "content": "Search the library for books on Rome."}]
 FORCED = {"type": "function", "function": {"name": "search_library"}}
 MAX_TOKENS = 40  # NOTE: the greedy essay and call both run longer (checked with closing off)
+ROOM = 200  # the greedy call to SHORT_ASK ends within this
 
 
 class Essay(pydantic.BaseModel):
@@ -60,8 +63,8 @@ def _essay(client: openai.OpenAI, max_tokens: int) -> object:
                                          max_tokens=max_tokens, temperature=0)
 
 
-def _call(client: openai.OpenAI, max_tokens: int) -> object:
-    return client.chat.completions.create(model="", messages=SEARCH_ASK, tools=[SEARCH],
+def _call(client: openai.OpenAI, max_tokens: int, ask: list[dict] = SEARCH_ASK) -> object:
+    return client.chat.completions.create(model="", messages=ask, tools=[SEARCH],
                                           tool_choice=FORCED, max_tokens=max_tokens,
                                           temperature=0)
 
@@ -73,10 +76,8 @@ def test_without_closing_the_budget_cuts_the_json(plain: openai.OpenAI) -> None:
     with pytest.raises(ValueError):
         json.loads(text)
     call = _call(plain, MAX_TOKENS).choices[0]
-    assert call.finish_reason == "length"
-    (cut,) = call.message.tool_calls  # the call as far as it got
-    with pytest.raises(ValueError):
-        json.loads(cut.function.arguments)
+    # NOTE: the call as far as it got is not callable: it is dropped, the reply truncated
+    assert call.finish_reason == "length" and not call.message.tool_calls, call
 
 
 def test_parse_gets_a_whole_object_within_max_tokens(closing: openai.OpenAI) -> None:
@@ -89,11 +90,18 @@ def test_parse_gets_a_whole_object_within_max_tokens(closing: openai.OpenAI) -> 
     assert reply.usage.completion_tokens >= MAX_TOKENS - 1
 
 
-def test_a_forced_tool_call_closes_its_arguments(closing: openai.OpenAI) -> None:
-    reply = _call(closing, MAX_TOKENS)
+def test_a_forced_tool_call_cut_by_the_budget_is_not_returned(closing: openai.OpenAI) -> None:
+    """The closing makes the call's JSON whole, but its arguments are the engine's, not the
+    model's: no API hands them to an agent as a call (gateway/choice_events.py)."""
+    cut = _call(closing, MAX_TOKENS).choices[0]
+    assert cut.finish_reason == "length" and not cut.message.tool_calls, cut
+
+
+def test_a_forced_tool_call_with_room_closes_its_arguments(closing: openai.OpenAI) -> None:
+    reply = _call(closing, ROOM, SHORT_ASK)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls
     assert call.function.name == "search_library"
     jsonschema.validate(json.loads(call.function.arguments), SEARCH["function"]["parameters"])
-    assert reply.usage.completion_tokens <= MAX_TOKENS
+    assert reply.usage.completion_tokens <= ROOM

@@ -1,7 +1,8 @@
 """Streamed tool calls in the llama3_json and mistral formats through the gateway (a scripted
-engine replies in the format) with the official `openai` client: the SDK reassembles the calls,
-the first delta of each call carries index, id, type and name, later ones only index and
-argument fragments; a special-token opening is kept in the text the parser reads."""
+engine replies in the format) with the official `openai` client: the SDK reassembles the calls;
+a call is sent once its JSON closed, in one delta carrying index, id, type, name and the whole
+arguments (gateway/choice_events.py: a call cut short is never sent); a special-token opening is
+kept in the text the parser reads."""
 
 from __future__ import annotations
 
@@ -58,11 +59,11 @@ async def test_streamed_calls_reassemble(tokenizer_dir: Path, parser: str) -> No
     # NOTE: some tokens of the reply hold half a character; no fragment may carry one
     assert any(engine.tokenizer.decode([t]).endswith("\ufffd") for t in engine.reply_ids)
     assert not any("\ufffd" in (d.function.arguments or "") for d in deltas)
-    first, rest = deltas[0], deltas[1:]
+    assert len(deltas) == 1
+    first = deltas[0]
     assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
-    assert first.id == final.choices[0].message.tool_calls[0].id and rest
-    assert all(d.index == 0 and d.id is None and d.type is None and d.function.name is None
-               for d in rest)
+    assert first.id == final.choices[0].message.tool_calls[0].id
+    assert json.loads(first.function.arguments) == ARGS
     if parser == "mistral":
         assert len(first.id) == 9 and first.id.isalnum()
     # the engine was asked for the call in this format: auto + strict = a grammar from tools

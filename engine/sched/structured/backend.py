@@ -83,18 +83,20 @@ class Matcher:
     def closes_on_budget(self) -> bool:
         return self._closer is not None
 
-    def closing_path(self, limit: int, after: int | None = None) -> list[int] | None:
+    def closing_path(self, limit: int, after: int | None = None, ends: Sequence[int] = ()
+                     ) -> list[int] | None:
         """A completion the grammar accepts, of at most `limit` tokens, from here (or from
-        after the token `after`); None if none is found (or no Closer)."""
+        after the token `after`), ending with one of `ends` where the grammar would take more;
+        None if none is found (or no Closer)."""
         if self._closer is None:
             return None
         nesting = self._nestings[-1]
         if after is None:
-            return self._closer.path(self._m, nesting, limit)
+            return self._closer.path(self._m, nesting, limit, ends)
         m = self._m.deep_copy()
         if not m.consume_token(after):
             return None
-        return self._closer.path(m, nesting.feed(self._closer.token_bytes(after)), limit)
+        return self._closer.path(m, nesting.feed(self._closer.token_bytes(after)), limit, ends)
 
     @property
     def raw(self) -> llguidance.LLMatcher:

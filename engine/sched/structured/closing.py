@@ -72,12 +72,14 @@ class Closer:
             b = self._bytes[token] = self._tok.decode_bytes([token])
         return b
 
-    def path(self, matcher: llguidance.LLMatcher, nesting: Nesting, limit: int
-             ) -> list[int] | None:
+    def path(self, matcher: llguidance.LLMatcher, nesting: Nesting, limit: int,
+             ends: Sequence[int] = ()) -> list[int] | None:
         """Tokens that take a copy of `matcher` to an accepting state, at most `limit` of
         them; None when this search finds none that short. Each step takes the forced tokens
         if the grammar forces any, else the longest closer of the open nesting it accepts,
-        else a value's shortest form, else the lowest token id it allows."""
+        else a value's shortest form, else the lowest token id it allows. Where the grammar
+        would still take more there and `limit` has room, the path ends with the first of
+        `ends` (tokens that end the reply) it accepts: a complete grammar ends the reply."""
         m = matcher.deep_copy()
         path: list[int] = []
         steps = 2 * limit + 8  # NOTE: its steps split tokens that _shorter merges again
@@ -91,6 +93,9 @@ class Closer:
                 nesting = nesting.feed(self.token_bytes(t))  # type: ignore[arg-type]
             path += step  # type: ignore[arg-type]
         path = self._shorter(matcher, path)
+        if ends and len(path) < limit and not m.is_stopped():
+            end = next((e for e in ends if m.validate_tokens([e]) == 1), None)
+            path += [] if end is None else [end]
         return path if len(path) <= limit else None
 
     def _shorter(self, matcher: llguidance.LLMatcher, path: list[int]) -> list[int]:
