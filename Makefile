@@ -71,7 +71,7 @@ soak: $(STAMP)
 	PAGEDSERVE_SOAK_SECONDS=$(SOAK_SECONDS) PAGEDSERVE_SOAK_OUT=$(SOAK_OUT) \
 		$(BIN)/python -m pytest -s -p no:cacheprovider tests/ops/test_soak.py
 
-# The mutant catalogue (tests/mutants/catalogue.toml): each mutant alone against its tests;
+# The mutant catalogue (tests/mutants/*.toml): each mutant alone against its tests;
 # never in CI (too slow). MUTANTS_ARGS="--only ID" runs one.
 MUTANTS_ARGS ?=
 mutants: $(STAMP) compiler

@@ -1,4 +1,4 @@
-"""Runs the mutant catalogue (tests/mutants/catalogue.toml): each mutant, alone, in a scratch
+"""Runs the mutant catalogue (every tests/mutants/*.toml): each mutant, alone, in a scratch
 copy of the tree, against only its test files; prints `killed` with the first failing test, or
 SURVIVED. `make mutants` runs it all (never in CI: too slow); `--only ID` picks mutants.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CATALOGUE = Path(__file__).with_name("catalogue.toml")
+CATALOGUE = Path(__file__).parent  # one .toml file per feature area
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,9 @@ class Mutant:
     equivalent: str = ""  # set: the mutant cannot be caught, and why (not run)
 
 
-def load(path: Path = CATALOGUE) -> list[Mutant]:
-    entries = tomllib.loads(path.read_text())["mutant"]
+def load(folder: Path = CATALOGUE) -> list[Mutant]:
+    entries = [e for path in sorted(folder.glob("*.toml"))
+               for e in tomllib.loads(path.read_text())["mutant"]]
     mutants = [Mutant(**{**e, "tests": tuple(e["tests"])}) for e in entries]
     ids = [m.id for m in mutants]
     dupes = {i for i in ids if ids.count(i) > 1}
