@@ -124,12 +124,22 @@ def test_a_complete_grammar_that_admits_more_is_ended_by_its_end_token(llm: LLM)
 def test_without_an_end_token_a_complete_grammar_runs_to_its_budget(llm: LLM) -> None:
     """ignore_eos: nothing can end the reply early, so nothing is refused forever either."""
     spec = SPECS["regex_repeat"]
+    _run(llm, spec, 8, None, bound=10_000)
     for max_tokens in (3, 4, 5):
         _, d, tokens = _run(llm, spec, max_tokens, None, ignore_eos=True)
         assert d.finish_reason == "length" and len(tokens) == max_tokens
 
 
 def test_min_tokens_holds_the_end_token_back(llm: LLM) -> None:
+    """The closing forces no end token that min_tokens still bans (the end would come early,
+    or no token would be allowed at all): an end comes only after min_tokens others."""
     spec = SPECS["regex_repeat"]
-    _, d, tokens = _run(llm, spec, 6, None, min_tokens=5)
-    assert len(tokens) >= 5 and d.finish_reason in ("stop", "length")
+    _run(llm, spec, 8, None, bound=10_000)
+    eos = llm.engine.eos_token_ids
+    for max_tokens, min_tokens in ((3, 2), (4, 3), (6, 5), (7, 5)):
+        _, d, tokens = _run(llm, spec, max_tokens, None, min_tokens=min_tokens)
+        assert d.finish_reason in ("stop", "length") and d.error is None, d
+        if tokens[-1] in eos:
+            assert len(tokens) > min_tokens, (max_tokens, min_tokens, tokens)
+        else:
+            assert len(tokens) == max_tokens
