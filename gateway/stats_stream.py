@@ -61,15 +61,15 @@ def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
     return lower
 
 
-def _window(now: list[tuple[float, float]],
-            then: list[tuple[float, float]] | None) -> list[tuple[float, float]]:
+def _window_percentiles(now: list[tuple[float, float]], then: list[tuple[float, float]] | None
+                        ) -> dict[str, float | None]:
     if then is None:
-        return now
-    return [(b, c - c0) for (b, c), (_, c0) in zip(now, then, strict=True)]
-
-
-def _percentiles(buckets: list[tuple[float, float]]) -> dict[str, float | None]:
-    return {f"p{round(q * 100)}": quantile(q, buckets) for q in QUANTILES}
+        # NOTE: no earlier sample, no window. The counts since the server started are not one:
+        # shown as the "last 30 s", an idle server's first snapshot after the dashboard was
+        # reopened said TTFT p99 145 s (and that point held the plot's scale for 5 minutes)
+        return {f"p{round(q * 100)}": None for q in QUANTILES}
+    window = [(b, c - c0) for (b, c), (_, c0) in zip(now, then, strict=True)]
+    return {f"p{round(q * 100)}": quantile(q, window) for q in QUANTILES}
 
 
 def _rate(now: int, then: int, seconds: float) -> float:
@@ -103,18 +103,20 @@ class StatsFeed:
     gets the same snapshots, numbered by `seq`."""
 
     def __init__(self, engines: EngineStatsOf, ttft: Histogram, itl: Histogram,
-                 in_flight: Callable[[], int]) -> None:
+                 in_flight: Callable[[], int],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._engines = engines
         self._ttft = ttft
         self._itl = itl
         self._in_flight = in_flight
+        self._clock = clock  # seconds, monotonic (tests step a fake one)
         self._raw: deque[_Raw] = deque(maxlen=int(WINDOW_S / SAMPLE_S) + 2)
         self.snapshots: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self._seq = 0
 
     def sample(self) -> None:
         """Take a snapshot if the last one is a period old (or there is none)."""
-        now = time.monotonic()
+        now = self._clock()
         last = self._raw[-1] if self._raw else None
         if last is not None and now - last.t < SAMPLE_S * 0.95:
             return
@@ -132,14 +134,14 @@ class StatsFeed:
             "requests_in_flight": self._in_flight(),
             "engines": [engine_snapshot(n, s, last.engines.get(n) if last else None, seconds)
                         for n, s in raw.engines.items()],
-            "ttft_seconds": _percentiles(_window(raw.ttft, old.ttft if old else None)),
-            "itl_seconds": _percentiles(_window(raw.itl, old.itl if old else None)),
+            "ttft_seconds": _window_percentiles(raw.ttft, old.ttft if old else None),
+            "itl_seconds": _window_percentiles(raw.itl, old.itl if old else None),
             "latency_window_s": now - old.t if old is not None else None,
         })
 
     def due_in(self) -> float:
         last = self._raw[-1].t if self._raw else 0.0
-        return max(0.0, last + SAMPLE_S - time.monotonic())
+        return max(0.0, last + SAMPLE_S - self._clock())
 
     async def events(self) -> AsyncIterator[bytes]:
         """The kept history first (one `history` event), then each new snapshot."""

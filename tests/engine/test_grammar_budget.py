@@ -1,6 +1,7 @@
 """Budget closing on a tiny random Llama (whose strings run on until cut): with a grammar and
 max_tokens, every reply that max_tokens leaves room to close validates with `jsonschema`
-(and without closing, most are cut open); KV blocks balance, n > 1 choices each close."""
+(and without closing, most are cut open); KV blocks balance, n > 1 choices each close, and
+so do replies with speculative decoding on."""
 
 from __future__ import annotations
 
@@ -82,3 +83,17 @@ def test_replies_close_through_preemption(tiny_model_dir, mode: str) -> None:
     outs = _outputs(small, 30, range(6))
     assert all(_valid(o.text) for o in outs), [o.text for o in outs]
     assert small.engine.stats().num_preemptions > 0
+
+
+def test_replies_close_with_speculative_decoding(tiny_model_dir) -> None:
+    # NOTE: drafts are verified against the grammar's own masks, which the closing does not
+    # narrow: a choice that closes on its budget decodes one token at a time. N-gram lookup
+    # drafts (cut where the grammar refuses them) are the ones a JSON reply accepts.
+    spec = LLM(str(tiny_model_dir), max_model_len=256, num_gpu_blocks=128,
+               speculative_method="ngram", num_speculative_tokens=4)
+    for max_tokens in (SHORTEST + 1, 24):
+        outs = _outputs(spec, max_tokens, range(6))
+        assert all(_valid(o.text) and o.finish_reason == "stop" for o in outs), \
+            [o.text for o in outs]
+        assert all(len(o.token_ids) <= max_tokens for o in outs)
+    assert spec.engine.kv.num_free_blocks == 128

@@ -1,9 +1,12 @@
 """Pooling (embedding) requests in EngineCore against independent references: sentence-
 transformers encoding the same checkpoints (last-token, mean, CLS; with and without its
-Normalize module), HF hidden states pooled in the test (--pooling), chunked prefill, and
-pooling requests beside running generations (their greedy tokens unchanged, KV balanced)."""
+Normalize module), HF hidden states pooled in the test (--pooling, and the default of a
+checkpoint without modules.json), chunked prefill, and pooling requests beside running
+generations (their greedy tokens unchanged, KV balanced)."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -63,20 +66,41 @@ def test_matches_sentence_transformers(method, normalize, family):
         torch.testing.assert_close(ours, theirs.float(), rtol=1e-3, atol=1e-4)
 
 
-def test_mean_across_prefill_chunks():
-    """A prompt longer than the step budget is computed in chunks; the mean spans them all."""
-    model_dir = embedder_dir("mean")
+@pytest.mark.parametrize("normalize", [True, False])
+def test_mean_across_prefill_chunks(normalize: bool):
+    """A prompt longer than the step budget is computed in chunks; the mean spans them all
+    (without a Normalize module its magnitude shows the count it was divided by)."""
+    model_dir = embedder_dir("mean", normalize)
     st = SentenceTransformer(str(model_dir), device="cpu")
     long_text = TEXTS[1] * 2
     ids = st.tokenizer(long_text)["input_ids"]
     assert len(ids) > 3 * 32
-    ref = st.encode([long_text], convert_to_tensor=True)[0]
+    ref = st.encode([long_text], convert_to_tensor=True, normalize_embeddings=False)[0]
     core = _core(model_dir, max_num_batched_tokens=32)
     free = core.kv.num_free_blocks
     (vector,), steps = _pool(core, [ids])
     assert steps == -(-len(ids) // 32)
-    assert _cos(vector, ref) >= 0.9999
+    torch.testing.assert_close(vector, ref.float(), rtol=1e-3, atol=1e-4)
     assert core.kv.num_free_blocks == free
+
+
+def test_a_checkpoint_without_modules_json_pools_the_last_token_normalized(tmp_path):
+    """No sentence-transformers config: vLLM's default for a decoder, the last token's final
+    hidden state, normalized (HF's own model computes the states)."""
+    from transformers import AutoModel
+
+    model_dir = tmp_path / "plain"  # NOTE: the HF files of a mean-pooling checkpoint
+    shutil.copytree(embedder_dir("mean", normalize=False), model_dir, ignore=shutil.ignore_patterns(
+        "modules.json", "*sentence*", "1_Pooling", "README.md"))
+    hf = AutoModel.from_pretrained(str(model_dir)).eval()
+    ids = list(range(300, 340))
+    with torch.no_grad():
+        states = hf(torch.tensor([ids])).last_hidden_state[0]
+    core = _core(model_dir)
+    info = core.pooling_info
+    assert (info.method, info.normalize, info.source) == ("last", True, "default")
+    (vector,), _ = _pool(core, [ids])
+    torch.testing.assert_close(vector, F.normalize(states[-1], dim=0), rtol=1e-3, atol=1e-4)
 
 
 def test_pooling_flag_overrides_the_checkpoint():

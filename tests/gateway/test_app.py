@@ -226,6 +226,19 @@ async def test_api_key_and_health(fake_engine: FakeEngine) -> None:
         assert wrong.status_code == 401
         ok = await http.get("/v1/models", headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200
+        # Anthropic's header, as a raw client sends it (its SDK sends a Bearer token)
+        wrong_key = await http.get("/v1/models", headers={"x-api-key": "nope"})
+        assert wrong_key.status_code == 401
+        assert wrong_key.json()["error"]["code"] == "invalid_api_key"
+        messages = {"model": "test-model", "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "hi"}]}
+        wrong_msg = await http.post("/v1/messages", json=messages, headers={"x-api-key": "nope"})
+        assert wrong_msg.status_code == 401
+        assert wrong_msg.json()["error"]["type"] == "authentication_error"
+        assert (await http.get("/v1/models", headers={"x-api-key": "sekret"})).status_code == 200
+        right_msg = await http.post("/v1/messages", json=messages,
+                                    headers={"x-api-key": "sekret"})
+        assert right_msg.status_code == 200 and right_msg.json()["type"] == "message"
         assert (await http.get("/health")).status_code == 200
         assert (await http.get("/livez")).status_code == 200
         assert (await http.get("/version")).json()["model"] == "test-model"

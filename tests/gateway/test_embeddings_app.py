@@ -73,6 +73,26 @@ async def test_an_engine_that_cannot_pool_is_a_400(fake_engine: FakeEngine) -> N
             assert reply.status_code == 400 and reply.json()["error"]["param"] == "model"
 
 
+async def test_rerank_top_n_zero_or_above_the_count_is_every_document(
+        fake_engine: FakeEngine) -> None:
+    """As vLLM: `top_n` 0 (or none) and a `top_n` above the documents' count return every
+    document, best first; a smaller one the best that many."""
+    fake_engine.interval = 0.0
+    body = {"query": "q", "documents": ["a", "a b c d", "a b"]}
+    ranked: dict[int | None, list[int]] = {}
+    async with serve(build_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        for top_n in (None, 0, 2, 3, 5):
+            reply = await http.post("/v1/rerank", json={**body, "top_n": top_n})
+            assert reply.status_code == 200, reply.text
+            results = reply.json()["results"]
+            scores = [r["relevance_score"] for r in results]
+            assert scores == sorted(scores, reverse=True)
+            ranked[top_n] = [r["index"] for r in results]
+    assert sorted(ranked[None]) == [0, 1, 2]
+    assert ranked[0] == ranked[3] == ranked[5] == ranked[None]
+    assert ranked[2] == ranked[None][:2]
+
+
 async def _until(predicate, what: str) -> None:
     for _ in range(500):
         if predicate():

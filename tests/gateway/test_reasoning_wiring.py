@@ -50,12 +50,16 @@ async def test_a_prompt_that_ends_the_thinking(fake_engine: FakeEngine) -> None:
     assert _split(on, "so</think>yes") == ("so", "yes")
 
 
-async def test_deepseek_v3_reasons_only_when_asked(fake_engine: FakeEngine) -> None:
+@pytest.mark.parametrize("key", ["thinking", "enable_thinking"])
+async def test_deepseek_v3_reasons_only_when_asked(fake_engine: FakeEngine, key: str) -> None:
+    # NOTE: vLLM's deepseek_v3 parser reads either key (`thinking` is DeepSeek's template's)
     gw = _gateway(fake_engine, "deepseek_v3")
-    job = await gw.prepare(ChatCompletionRequest(messages=MESSAGES))
-    assert job.reasoning_parser is None
+    for unasked in (None, {key: False}):
+        job = await gw.prepare(ChatCompletionRequest(messages=MESSAGES,
+                                                     chat_template_kwargs=unasked))
+        assert job.reasoning_parser is None
     asked = await gw.prepare(ChatCompletionRequest(
-        messages=MESSAGES, chat_template_kwargs={"thinking": True}))
+        messages=MESSAGES, chat_template_kwargs={key: True}))
     assert _split(asked, "so</think>yes") == ("so", "yes")
 
 

@@ -138,6 +138,24 @@ async def test_a_reader_that_falls_behind_the_buffer_is_told() -> None:
     assert behind.value.code == "stream_expired"
 
 
+async def test_a_resume_from_just_before_the_buffer_is_expired() -> None:
+    registry = StreamRegistry(StreamLimits(grace_period=30, max_stream_bytes=4))
+    producer = Producer()
+    stream = registry.open("sse", ALICE, producer, producer.cancel)
+    for event in (b"ab", b"cd", b"ef"):
+        producer.queue.put_nowait(event)
+    await _until(lambda: stream.next_seq == 3)
+    assert stream.first_seq == 1  # seq 0 was dropped to keep 4 bytes
+    stream.check_after(0)  # the next event, seq 1, is kept: this resume is whole
+    # resuming after seq -1 needs seq 0, which is gone: 410, not a stream with a hole
+    with pytest.raises(ApiError) as gone:
+        stream.check_after(-1)
+    assert (gone.value.status, gone.value.code) == (410, "stream_expired")
+    reader = stream.follow(0)
+    assert [await anext(reader), await anext(reader)] == [(1, b"cd"), (2, b"ef")]
+    await reader.aclose()
+
+
 async def test_old_events_age_out() -> None:
     registry = StreamRegistry(StreamLimits(grace_period=30, max_event_age=0.05))
     producer = Producer()

@@ -12,9 +12,10 @@ import pytest
 from gateway_fakes import FakeEngine, serve
 
 from gateway.app import build_app
+from gateway.metrics import Metrics
 from gateway.openapi import STATS_SNAPSHOT
 from gateway.settings import GatewaySettings
-from gateway.stats_stream import quantile
+from gateway.stats_stream import StatsFeed, quantile
 from ipc.messages import EngineStats
 
 pytestmark = pytest.mark.timeout(60)
@@ -81,6 +82,9 @@ async def test_snapshots_rates_percentiles_and_key(fake_engine: FakeEngine) -> N
             assert engine["prefix_cache_hit_rate"] == pytest.approx(150 / 200)
             assert engine["prefix_cache_hit_rate_total"] == pytest.approx(175 / 300)
             assert before["engines"][0]["running"] == 3
+            # 48 of 64 blocks free: a quarter of the pool in use
+            assert before["engines"][0]["kv_cache_usage"] == 0.25
+            assert before["engines"][0]["kv_blocks_used"] == 16
             assert (before["engines"][0]["waiting"], before["engines"][0]["swapped"]) == (2, 1)
             # requests through the gateway fill the TTFT and ITL percentiles of the window
             replies = [http.post("/v1/completions", headers=auth,
@@ -103,3 +107,59 @@ async def test_a_new_reader_gets_the_history(fake_engine: FakeEngine) -> None:
         async with http.stream("GET", "/v1/stats/stream") as second:
             _, history = await anext(_events(second))
         assert [s["seq"] for s in history][:3] == [seqs[0] - 1, *seqs]
+
+
+class _Clock:
+    """A monotonic clock the test steps."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _feed(clock: _Clock) -> tuple[StatsFeed, Metrics]:
+    metrics = Metrics(lambda: None)
+    engines = [("engine 0", EngineStats(kv_blocks_total=64, kv_blocks_free=64))]
+    return StatsFeed(lambda: engines, metrics.ttft.ours, metrics.itl.ours, lambda: 0,
+                     clock), metrics
+
+
+def _ttft_at(feed: StatsFeed, clock: _Clock, t: float) -> dict[str, float | None]:
+    clock.now = 1000.0 + t
+    feed.sample()
+    return feed.snapshots[-1]["ttft_seconds"]
+
+
+def test_percentiles_cover_only_the_last_30_seconds() -> None:
+    clock = _Clock()
+    feed, metrics = _feed(clock)
+    p99: dict[int, float | None] = {}
+    for t in range(51):  # a reader watching: a sample a second
+        if t == 1:
+            metrics.ttft.observe(145.0)  # one slow request (in the 80..160 s bucket)
+        if t == 11:
+            metrics.ttft.observe(0.03)
+        p99[t] = _ttft_at(feed, clock, t)["p99"]
+    assert p99[0] is None  # nothing observed yet
+    assert 80 < p99[20] <= 160  # both requests in the window
+    assert p99[40] <= 0.05  # the slow one left the window: only the fast one
+    assert p99[50] is None  # nothing in the last 30 s
+    assert feed.snapshots[-1]["latency_window_s"] == pytest.approx(30.0)
+
+
+def test_a_reopened_feed_shows_no_latency_from_before_it() -> None:
+    # NOTE: the live bug: after the dashboard was closed a while, the first snapshot read the
+    # counts since the server started as its window (TTFT p99 145 s on an idle server)
+    clock = _Clock()
+    feed, metrics = _feed(clock)
+    _ttft_at(feed, clock, 0)
+    metrics.ttft.observe(145.0)
+    assert 80 < _ttft_at(feed, clock, 1)["p99"] <= 160  # seen while it was recent
+    reopened = _ttft_at(feed, clock, 600)  # nobody watched for ten minutes
+    assert reopened == {"p50": None, "p90": None, "p99": None}
+    assert feed.snapshots[-1]["latency_window_s"] is None
+    assert _ttft_at(feed, clock, 601)["p99"] is None  # idle: nothing in the window
+    metrics.ttft.observe(0.03)
+    assert _ttft_at(feed, clock, 602)["p99"] <= 0.05

@@ -101,9 +101,17 @@ async def test_auth_and_origin(fake_engine: FakeEngine) -> None:
         with pytest.raises(websockets.InvalidStatus):
             async with websockets.connect(_ws_url(url), subprotocols=["pagedserve.v1"]):
                 pass
+        # the browser's way to send a key: a `bearer.<key>` subprotocol, checked as a header is
+        with pytest.raises(websockets.InvalidStatus) as wrong:
+            async with websockets.connect(
+                _ws_url(url), subprotocols=["pagedserve.v1", "bearer.wrong"]
+            ):
+                pass
+        assert wrong.value.response.status_code == 403
         async with websockets.connect(
             _ws_url(url), subprotocols=["pagedserve.v1", "bearer.k3y"]
         ) as ws:
+            assert ws.subprotocol == "pagedserve.v1"
             assert (await _recv(ws))["type"] == "session.created"
         async with websockets.connect(
             _ws_url(url), additional_headers={"Authorization": "Bearer k3y"},
@@ -116,6 +124,38 @@ async def test_auth_and_origin(fake_engine: FakeEngine) -> None:
                 origin="http://evil.example",
             ):
                 pass
+
+
+async def test_a_resumed_socket_hears_its_generations_failure(fake_engine: FakeEngine) -> None:
+    fake_engine.interval = 0.05
+    app = build_app(fake_engine, GatewaySettings())
+    request = {**REQUEST, "resumable": True}
+    async with serve(app) as url:
+        async with websockets.connect(_ws_url(url), subprotocols=["pagedserve.v1"]) as first:
+            await _recv(first)
+            await first.send(json.dumps({"type": "generate", "id": "a", "request": request}))
+            started = await _recv(first)
+            assert (await _recv(first))["type"] == "generation.delta"
+            fake_engine.interval = 600  # NOTE: it cannot finish before the engine dies
+        # the socket is gone; the generation runs on, then its engine dies
+        fake_engine.kill()
+        stream = app.state.gateway.streams.streams[started["stream_id"]]
+        async with asyncio.timeout(10):
+            while not stream.done:
+                await asyncio.sleep(0.02)
+        async with websockets.connect(_ws_url(url), subprotocols=["pagedserve.v1"]) as again:
+            await _recv(again)
+            await again.send(json.dumps({"type": "resume", "id": "b",
+                                         "stream_id": started["stream_id"], "after_seq": 0}))
+            frames = await _until_done(again, {"b"})  # NOTE: without its end, a 5 s timeout
+            # the whole stream was replayed at once: a second end would be queued by now
+            await again.send(json.dumps({"type": "ping"}))
+            while (frame := await _recv(again))["type"] != "pong":
+                frames.append(frame)
+    assert frames[0]["type"] == "generation.resumed"
+    ends = [f for f in frames if f["type"] in ("generation.done", "error")]
+    assert ends == [{"type": "error", "id": "b", "error": ends[0]["error"]}]
+    assert ends[0]["error"]["code"] == "engine_error"
 
 
 async def test_draining_is_announced(fake_engine: FakeEngine) -> None:
