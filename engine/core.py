@@ -191,7 +191,7 @@ class EngineCore:
             model, self.num_gpu_blocks, self.block_size, self.max_model_len, sampler,
             backend, self.device, self.kv_dtype, self.num_cpu_blocks,
             draft_layers=config.speculative_draft_layers, draft_model=draft,
-            lora=self.lora,
+            lora=self.lora, batch_invariant=config.batch_invariant,
         )
         return runner if ranks is None else self._tensor_parallel(runner, ranks)
 
@@ -312,7 +312,7 @@ class EngineCore:
         init = RunnerInit(self.num_gpu_blocks, self.block_size, self.max_model_len,
                           self.attention_backend, str(self.kv_dtype).removeprefix("torch."),
                           self.num_cpu_blocks, self.config.speculative_draft_layers,
-                          self.config.seed)
+                          self.config.seed, self.config.batch_invariant)
         return TensorParallelRunner(runner, ranks, init)
 
     def _kv_window(self, config: EngineConfig, draft) -> int | None:

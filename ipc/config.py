@@ -67,6 +67,13 @@ class EngineConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"}
     )
+    batch_invariant: bool = field(
+        default=True, metadata={"help": "a request's logits are the same bits whatever its "
+                                "batch mates, prefill chunking and prefix-cache state: on the "
+                                "CPU backend every prefill token attends as its decode would "
+                                "(the decode kernel; long prompts prefill slower: see "
+                                "bench/RESULTS.md); off: prefill attention in SDPA"}
+    )
     enable_window_freeing: bool = field(
         default=True, metadata={"help": "release KV blocks older than the sliding window when "
                                         "every layer of the model is windowed"}

@@ -20,6 +20,7 @@ class RunnerInit(msgspec.Struct, tag="init", frozen=True):
     num_cpu_blocks: int
     draft_layers: int | None  # the self draft's layers (the target's first ones)
     seed: int  # the sampler's generator for requests without a seed, as on rank 0
+    batch_invariant: bool = False  # AttentionMetadata.invariant, as on rank 0
 
 
 class Propose(msgspec.Struct, tag="propose"):

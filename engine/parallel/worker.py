@@ -99,4 +99,5 @@ def _runner(model: TensorParallelLlama, init: records.RunnerInit, device: torch.
         model, init.num_blocks, init.block_size, init.max_model_len,
         Sampler(init.seed, device),
         get_backend(init.attention_backend, device.type), device,
-        getattr(torch, init.kv_dtype), init.num_cpu_blocks, draft_layers=init.draft_layers)
+        getattr(torch, init.kv_dtype), init.num_cpu_blocks, draft_layers=init.draft_layers,
+        batch_invariant=init.batch_invariant)

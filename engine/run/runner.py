@@ -50,8 +50,10 @@ class ModelRunner:
         draft_layers: int | None = None,
         draft_model: LlamaForCausalLM | None = None,
         lora: LoraSlots | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant  # AttentionMetadata.invariant of every step
         self.lora = lora  # the adapters' slots, when LoRA is on (engine/run/lora)
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -252,6 +254,7 @@ class ModelRunner:
             query_lens_cpu=query_lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
+            invariant=self.batch_invariant,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.from_numpy(positions).to(dev), meta, last_token

@@ -28,6 +28,9 @@ class AttentionMetadata:
     # (W keys, itself included); None: every earlier key. Blocks wholly before the window
     # may be absent from the tables (a valid placeholder id stands in): never read them.
     window: int | None = None
+    # prefill tokens attend as their decodes would, where the backend can (the CPU kernel):
+    # a token's attention is then the same bits in any batch, chunking or cache state
+    invariant: bool = False
     _by_window: dict = field(default_factory=dict, repr=False, compare=False)
 
     def with_window(self, window: int | None) -> AttentionMetadata:

@@ -126,8 +126,9 @@ def test_without_an_end_token_a_complete_grammar_runs_to_its_budget(llm: LLM) ->
     spec = SPECS["regex_repeat"]
     _run(llm, spec, 8, None, bound=10_000)
     for max_tokens in (3, 4, 5):
-        _, d, tokens = _run(llm, spec, max_tokens, None, ignore_eos=True)
+        steps, d, tokens = _run(llm, spec, max_tokens, None, ignore_eos=True)
         assert d.finish_reason == "length" and len(tokens) == max_tokens
+        assert steps == max_tokens  # NOTE: one token a step: nothing to force, none refused
 
 
 def test_min_tokens_holds_the_end_token_back(llm: LLM) -> None:

@@ -62,7 +62,7 @@ class Batch:
 def make_batch(
     seqs: list[tuple[int, int]], *, kv_heads: int, group: int, head_dim: int,
     dtype: torch.dtype, kv_dtype: torch.dtype, scales: str | None, page: int, device: str,
-    gen: torch.Generator, window: int | None = None,
+    gen: torch.Generator, window: int | None = None, invariant: bool = False,
 ) -> Batch:
     """Random inputs; block tables are a random permutation of the pool, padded with valid ids.
     With a window, the blocks wholly before each sequence's first query's window are not
@@ -115,6 +115,7 @@ def make_batch(
         seq_lens_cpu=seq_lens,
         max_decode_seq_len=max(seq_lens[:nd], default=0),
         window=window,
+        invariant=invariant,
     )
     dev = torch.device(device)
     return Batch(
@@ -163,7 +164,7 @@ def check_attention(
     backend: str, batch_name: str, *, group: int, dtype: str = "float32", kv_dtype: str = "auto",
     scales: str | None = None, kv_heads: int = 2, head_dim: int = 32, page: int = 16,
     device: str = "cpu", mode: str = "auto", seed: int | None = None,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, invariant: bool = False,
 ) -> float:
     """Write the new K/V, attend, compare with float64; returns the largest abs error.
 
@@ -176,7 +177,7 @@ def check_attention(
     kvd = {"fp8_e4m3": FP8, "float16": torch.float16}.get(kv_dtype, dt)
     b = make_batch(BATCHES[batch_name], kv_heads=kv_heads, group=group, head_dim=head_dim,
                    dtype=dt, kv_dtype=kvd, scales=scales, page=page, device=device, gen=gen,
-                   window=window)
+                   window=window, invariant=invariant)
     mod = get_backend(backend, torch.device(device).type)
     sc = {"k_scale": b.k_scale, "v_scale": b.v_scale}
     before = b.k_cache.view(torch.uint8).clone() if kvd == FP8 else b.k_cache.clone()

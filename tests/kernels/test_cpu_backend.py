@@ -24,6 +24,7 @@ from kernel_cases import (
 )
 
 from kernels import auto_backend, get_backend
+from kernels.attention.metadata import AttentionMetadata
 
 ROOT = Path(__file__).resolve().parents[2]
 try:
@@ -53,6 +54,18 @@ def test_cpu_backend_matches_float64(case):
     (64, 3, 8), (64, 3, 32), (64, 2, 64), (64, 12, 16), (96, 3, 16), (256, 3, 16)])
 def test_decode_shapes_match_float64(head_dim, group, page):
     check_attention("cpu", "long", group=group, head_dim=head_dim, page=page)
+
+
+# Batch-invariant prefill (AttentionMetadata.invariant, the engine's default): every prefill
+# token attends through the decode kernel at its position; chunks after a cached prefix, chunks
+# of one token, windows that start mid-block, head dims 64 and 256.
+@pytest.mark.parametrize("batch", ["prefill", "mixed", "long", "window"])
+@pytest.mark.parametrize("kv_dtype", ["float16", "auto"])
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (4, 256)])
+def test_invariant_prefill_matches_float64(batch, kv_dtype, group, head_dim):
+    for window in ([None, 1, 17] if batch == "window" else [None]):
+        check_attention("cpu", batch, group=group, head_dim=head_dim, kv_dtype=kv_dtype,
+                        window=window, invariant=True)
 
 
 @pytest.mark.parametrize("window", [None, 5, 100])
@@ -174,3 +187,42 @@ def test_auto_is_cpu_here():
 def test_engine_greedy_equals_the_torch_backend(tiny_model_dir):
     assert (engine_greedy(str(tiny_model_dir), "cpu", 16)
             == engine_greedy(str(tiny_model_dir), "torch", 16))
+
+
+def _decodes(b, rows: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The decode batch of sequences `rows` of `b` (in that order)."""
+    m, idx = b.meta, torch.tensor(rows)
+    lens = [m.seq_lens_cpu[r] for r in rows]
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32),
+        seq_lens=m.seq_lens[idx], block_tables=m.block_tables[idx],
+        slot_mapping=m.slot_mapping[idx], num_decodes=len(rows), query_lens_cpu=[1] * len(rows),
+        seq_lens_cpu=lens, max_decode_seq_len=max(lens), window=m.window)
+    return b.q[idx], meta
+
+
+# Batch invariance: a sequence's decode output is the same bits whatever its batch mates, its
+# row, and the thread count (the split of its keys is a function of its own length). Lengths
+# from one block (no split) to 2100 keys (33 splits), windows that start mid-block.
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 777])
+def test_decode_is_the_same_bits_whatever_its_batch_and_threads(kv_dtype, window):
+    seqs = [(200, 1), (2100, 1), (3, 1), (600, 1), (70, 1)]
+    b = make_batch(seqs, kv_heads=2, group=3, head_dim=64, dtype=torch.float32,
+                   kv_dtype=kv_dtype, scales=None, page=16, device="cpu",
+                   gen=torch.Generator().manual_seed(7), window=window)
+    scale = 1 / math.sqrt(64)
+
+    def run(rows: list[int], threads: int) -> dict[int, torch.Tensor]:
+        q, meta = _decodes(b, rows)
+        out = torch.full_like(q, float("nan"))
+        cpu_backend.decode(q, b.k_cache, b.v_cache, meta, scale, out, num_threads=threads)
+        return dict(zip(rows, out, strict=True))
+
+    everyone = list(range(len(seqs)))
+    ref = run(everyone, 2)
+    runs = [run(everyone, 1), run(everyone, 8), run(everyone[::-1], 2),
+            *(run([r], t) for r in everyone for t in (1, 2)), run([1, 3], 2)]
+    for got in runs:
+        for r, out in got.items():
+            assert torch.equal(out, ref[r]), (r, got.keys())

@@ -3,9 +3,9 @@
  *
  * One task per (sequence, split) walks the split's blocks once per KV head, each head's GQA
  * group of query rows with an online softmax (running max, running sum, rescaled
- * accumulator), so no K/V is gathered or copied. When sequences are too few to give every
- * thread two tasks, each sequence's blocks are split and the partial results merged
- * (split-KV). A float16 cache is widened to float32 in registers as it is loaded (F16C /
+ * accumulator), so no K/V is gathered or copied. Each sequence's blocks are split every
+ * SPLIT_BLOCKS, by its own length alone, and the partial results merged in order
+ * (split-KV): its sums never depend on its batch mates or the thread count. A float16 cache is widened to float32 in registers as it is loaded (F16C /
  * AVX-512 `vcvtph2ps`, or common.h's portable bit conversion without them). Called by
  * kernels/attention/cpu_backend.py and by fused.c.
  *
@@ -26,7 +26,7 @@
 
 #define MAX_ROWS 4096 /* group x head_dim floats per task, on the stack */
 #define MAX_SPLITS 256
-#define MIN_SPLIT_BLOCKS 8
+#define SPLIT_BLOCKS 16 /* a sequence's keys split every 16 blocks (256 tokens at 16 a block) */
 
 typedef struct {
     const void *k_cache, *v_cache; /* float or uint16_t (float16 bits): the F16 argument */
@@ -438,6 +438,49 @@ static void attend_any(const Shape *c, int h, const float *qs, int first, int la
     (f16 ? attend_f16 : attend_f32)(c, h, qs, first, last, acc, m, l);
 }
 
+/* The blocks a sequence of `len` keys attends (its window's, where it has one): [b0, b0+nb) */
+static void seq_blocks(int len, int window, int block_size, int *lo, int *b0, int *nb)
+{
+    *lo = window > 0 && len > window ? len - window : 0;
+    *b0 = *lo / block_size;
+    *nb = (len + block_size - 1) / block_size - *b0;
+}
+
+/* How many blocks each split of a sequence of `nb` blocks takes: SPLIT_BLOCKS, more only where
+ * MAX_SPLITS would be passed. NOTE: a function of the sequence alone, never of its batch or
+ * the thread count, so that a request's attention sums its keys in one order whatever runs
+ * beside it (batch invariance: a8's int8 rounding turned the last-bit differences of a
+ * batch-size-dependent split into logit differences of 0.3-0.6 on the bundled model). */
+static int split_blocks(int nb)
+{
+    const int per = (nb + MAX_SPLITS - 1) / MAX_SPLITS;
+    return per > SPLIT_BLOCKS ? per : SPLIT_BLOCKS;
+}
+
+/* One (sequence, KV head)'s split partials (parts: acc [rows], m, l [group] per split) merged
+ * in split order into its group's outputs oh [group, head_dim]. */
+static void merge_splits(const float *pp, int splits, int64_t part, int group, int head_dim,
+                         float *oh)
+{
+    const int64_t rows = (int64_t)group * head_dim;
+    for (int g = 0; g < group; g++) {
+        float mx = -1e30f;
+        for (int j = 0; j < splits; j++)
+            mx = pp[j * part + rows + g] > mx ? pp[j * part + rows + g] : mx;
+        float w[MAX_SPLITS], sum = 0.0f;
+        for (int j = 0; j < splits; j++) {
+            w[j] = expf(pp[j * part + rows + g] - mx);
+            sum += w[j] * pp[j * part + rows + group + g];
+        }
+        for (int d = 0; d < head_dim; d++) {
+            float o = 0.0f;
+            for (int j = 0; j < splits; j++)
+                o += w[j] * pp[j * part + g * head_dim + d];
+            oh[g * head_dim + d] = o / sum;
+        }
+    }
+}
+
 static void paged_decode(
     const float *q, int64_t q_stride,      /* [num_seqs, heads, head_dim]; token stride */
     const void *k_cache, const void *v_cache, /* [blocks, block_size, kv_heads, head_dim] */
@@ -450,102 +493,76 @@ static void paged_decode(
 {
     const int group = heads / kv_heads;
     const int rows = group * head_dim;
-    int max_blocks = 1;
+    /* tasks: each sequence's splits in order; first[s]: its first task, and its partials' */
+    int *first = malloc(sizeof(int) * (num_seqs + 1));
+    if (!first)
+        abort();
+    first[0] = 0;
     for (int s = 0; s < num_seqs; s++) {
-        int nb = (seq_lens[s] + block_size - 1) / block_size;
-        if (window > 0) /* the blocks a window covers */
-            nb = (window + block_size - 1) / block_size + 1 < nb
-                     ? (window + block_size - 1) / block_size + 1 : nb;
-        max_blocks = nb > max_blocks ? nb : max_blocks;
+        int lo, b0, nb;
+        seq_blocks(seq_lens[s], window, block_size, &lo, &b0, &nb);
+        const int per = split_blocks(nb);
+        first[s + 1] = first[s] + (nb > per ? (nb + per - 1) / per : 1);
     }
-    int splits = (2 * num_threads + num_seqs - 1) / num_seqs;
-    /* NOTE: a split must be worth its merge and second parallel region: 8+ blocks each
-     * (bench: 1 sequence of 256-512 tokens 1.3-1.5x faster than with 32+, larger batches even),
-     * or 4+ where the sequences are fewer than the threads, which would otherwise idle: the
-     * bundled model's batch-1 decode steps over 128-256 tokens took 0.94x the time, over
-     * 16-144 0.99x (2 threads, a float16 cache; more sequences, or longer ones, split as
-     * before) */
-    const int min_blocks = num_seqs < num_threads ? MIN_SPLIT_BLOCKS / 2 : MIN_SPLIT_BLOCKS;
-    splits = splits < max_blocks / min_blocks ? splits : max_blocks / min_blocks;
-    splits = splits > 1 ? splits : 1;
-    splits = splits < MAX_SPLITS ? splits : MAX_SPLITS;
-    /* per (seq, head, split): acc [rows], then m and l [group] each */
+    const int tasks = first[num_seqs];
+    int *task_seq = malloc(sizeof(int) * (tasks > 0 ? tasks : 1));
+    /* per (task, head) of a split sequence: acc [rows], then m and l [group] each */
     const int64_t part = rows + 2 * group;
-    float *parts = splits > 1 ? malloc(sizeof(float) * num_seqs * kv_heads * splits * part) : 0;
-    if (splits > 1 && !parts)
-        splits = 1;
+    float *parts = tasks > num_seqs ? malloc(sizeof(float) * tasks * kv_heads * part) : 0;
+    if (!task_seq || (tasks > num_seqs && !parts))
+        abort();
+    for (int s = 0; s < num_seqs; s++)
+        for (int t = first[s]; t < first[s + 1]; t++)
+            task_seq[t] = s;
     /* NOTE: one task walks all KV heads of its blocks, head after head: the first head's
      * pass brings the blocks into L2 for the others (a task per head read each block's
      * interleaved heads from DRAM in several places at once: 30 layers of 32 x 192-token
      * decodes took 22.5 ms that way, 17.1 ms this way). */
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
-    for (int s = 0; s < num_seqs; s++) {
-        for (int j = 0; j < splits; j++) {
-            for (int h = 0; h < kv_heads; h++) {
-                const int len = seq_lens[s];
-                /* keys [lo, len): a window starts mid-sequence, its splits from its block */
-                const int lo = window > 0 && len > window ? len - window : 0;
-                const int b0 = lo / block_size;
-                const int nb = (len + block_size - 1) / block_size - b0;
-                const int per = (nb + splits - 1) / splits;
-                const int start = (b0 + j * per) * block_size;
-                const int first = start > lo ? start : lo;
-                const int end = (b0 + (j + 1) * per) * block_size;
-                const int last = end < len ? end : len;
-                Shape c = {k_cache, v_cache, tables + s * table_stride,
-                           (int64_t)kv_heads * head_dim, group, head_dim, block_size, kv_heads};
-                float qs[MAX_ROWS], acc[MAX_ROWS], m[64], l[64];
-                const float *qh = q + s * q_stride + (int64_t)h * rows;
-                for (int i = 0; i < rows; i++)
-                    qs[i] = qh[i] * scale;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int t = 0; t < tasks; t++) {
+        const int s = task_seq[t], j = t - first[s], splits = first[s + 1] - first[s];
+        const int len = seq_lens[s];
+        int lo, b0, nb;
+        seq_blocks(len, window, block_size, &lo, &b0, &nb);
+        const int per = split_blocks(nb);
+        const int start = (b0 + j * per) * block_size;
+        const int from = start > lo ? start : lo;
+        const int end = (b0 + (j + 1) * per) * block_size;
+        const int to = end < len ? end : len;
+        Shape c = {k_cache, v_cache, tables + s * table_stride,
+                   (int64_t)kv_heads * head_dim, group, head_dim, block_size, kv_heads};
+        for (int h = 0; h < kv_heads; h++) {
+            float qs[MAX_ROWS], acc[MAX_ROWS], m[64], l[64];
+            const float *qh = q + s * q_stride + (int64_t)h * rows;
+            for (int i = 0; i < rows; i++)
+                qs[i] = qh[i] * scale;
+            if (splits == 1) {
                 float *oh = out + s * out_stride + (int64_t)h * rows;
-                if (splits == 1) {
-                    attend_any(&c, h, qs, lo, len, acc, m, l, f16);
-                    for (int g = 0; g < group; g++)
-                        for (int d = 0; d < head_dim; d++)
-                            oh[g * head_dim + d] = acc[g * head_dim + d] / l[g];
-                    continue;
-                }
-                float *pp = parts + ((int64_t)(s * kv_heads + h) * splits + j) * part;
-                if (first >= last) { /* a short sequence: this split has no blocks */
-                    for (int g = 0; g < group; g++) {
-                        pp[rows + g] = -1e30f;
-                        pp[rows + group + g] = 0.0f;
-                    }
-                    for (int i = 0; i < rows; i++)
-                        pp[i] = 0.0f;
-                    continue;
-                }
-                attend_any(&c, h, qs, first, last, pp, pp + rows, pp + rows + group, f16);
+                attend_any(&c, h, qs, lo, len, acc, m, l, f16);
+                for (int g = 0; g < group; g++)
+                    for (int d = 0; d < head_dim; d++)
+                        oh[g * head_dim + d] = acc[g * head_dim + d] / l[g];
+                continue;
             }
+            float *pp = parts + ((int64_t)first[s] * kv_heads + (int64_t)h * splits + j) * part;
+            attend_any(&c, h, qs, from, to, pp, pp + rows, pp + rows + group, f16);
         }
     }
-    if (splits == 1)
-        return;
+    if (parts) {
 #pragma omp parallel for collapse(2) num_threads(num_threads)
-    for (int s = 0; s < num_seqs; s++) {
-        for (int h = 0; h < kv_heads; h++) {
-            const float *pp = parts + (int64_t)(s * kv_heads + h) * splits * part;
-            float *oh = out + s * out_stride + (int64_t)h * rows;
-            for (int g = 0; g < group; g++) {
-                float mx = -1e30f;
-                for (int j = 0; j < splits; j++)
-                    mx = pp[j * part + rows + g] > mx ? pp[j * part + rows + g] : mx;
-                float w[MAX_SPLITS], sum = 0.0f;
-                for (int j = 0; j < splits; j++) {
-                    w[j] = expf(pp[j * part + rows + g] - mx);
-                    sum += w[j] * pp[j * part + rows + group + g];
-                }
-                for (int d = 0; d < head_dim; d++) {
-                    float o = 0.0f;
-                    for (int j = 0; j < splits; j++)
-                        o += w[j] * pp[j * part + g * head_dim + d];
-                    oh[g * head_dim + d] = o / sum;
-                }
+        for (int s = 0; s < num_seqs; s++) {
+            for (int h = 0; h < kv_heads; h++) {
+                const int splits = first[s + 1] - first[s];
+                if (splits > 1)
+                    merge_splits(parts + ((int64_t)first[s] * kv_heads + (int64_t)h * splits)
+                                 * part, splits, part, group, head_dim,
+                                 out + s * out_stride + (int64_t)h * rows);
             }
         }
     }
     free(parts);
+    free(task_seq);
+    free(first);
 }
 
 /* Decode attention over a float32 cache. */
