@@ -183,6 +183,8 @@ def _add_engine_process_args(parser: argparse.ArgumentParser) -> None:
 def check_args(ns: argparse.Namespace) -> EngineConfig:
     """Validate what argparse cannot; returns the engine config (ValueError names the flag)."""
     check_model_args(ns)  # NOTE: sets ns.model_specs, and ns.model back to one path
+    if not 0 <= ns.port <= 65535:  # NOTE: the socket layer would wrap 99999 to 34463
+        raise ValueError(f"--port must be 0-65535, not {ns.port}")
     if ns.max_queued_requests is not None and ns.max_queued_requests < 1:
         raise ValueError("--max-queued-requests must be >= 1")
     if ns.shutdown_timeout < 0:

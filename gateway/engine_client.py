@@ -384,8 +384,10 @@ class EngineClient:
         self._ready.clear()
         self._identity = None
         self._pending_aborts.clear()
-        log.log(logging.INFO if self._closing else logging.ERROR,
-                "engine %s died: %s", incarnation, reason)
+        if self._closing:  # NOTE: the gateway stopped it: no death to report
+            log.info("engine %s stopped: %s", incarnation, reason)
+        else:
+            log.error("engine %s died: %s", incarnation, reason)
         self._fail_all(f"engine died: {reason}")
         if self._proc is not None:
             self._spawn_task(_reap(self._proc, kill_after))

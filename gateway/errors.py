@@ -50,7 +50,8 @@ class ApiError(Exception):
 
     @property
     def body(self) -> ErrorBody:
-        kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request")
+        kind = _TYPES.get(self.status,
+                          "server_error" if self.status >= 500 else "invalid_request_error")
         return ErrorBody(self.message, kind, self.param, self.code)
 
     def envelope(self) -> ErrorEnvelope:

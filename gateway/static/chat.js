@@ -24,7 +24,7 @@ const PLAIN = {
   server_overloaded: 'The server is busy. Try again in a few seconds.',
   engine_unavailable: 'The model engine is not running right now. Try again in a few seconds.',
   engine_error: 'The model engine failed while answering. Try again.',
-  invalid_api_key: 'This server needs an API key: enter it in the key field at the top.',
+  invalid_api_key: 'This server needs an API key: enter it in the API key field at the bottom of the sidebar.',
   stream_expired: 'The answer could not be resumed: the server let it go while the connection was down.',
   stream_not_found: 'The answer could not be resumed: the server no longer knows it.',
 };

@@ -550,3 +550,11 @@ async def test_chat_without_a_template_is_400_unless_one_is_given(tmp_path, toke
             httpx.AsyncClient(base_url=url) as http:
         r = await http.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY
+
+
+async def test_a_wrong_method_is_an_invalid_request_error(fake_engine: FakeEngine) -> None:
+    """OpenAI's error type for a client's mistake is `invalid_request_error`, 405 included."""
+    async with serve(_app(fake_engine)) as url, httpx.AsyncClient(base_url=url) as http:
+        r = await http.delete("/v1/chat/completions")
+    assert r.status_code == 405
+    assert r.json()["error"]["type"] == "invalid_request_error"
