@@ -105,7 +105,8 @@ async def serve(ns: argparse.Namespace, settings: GatewaySettings,
 def _uvicorn_config(ns: argparse.Namespace, gateway: Gateway) -> uvicorn.Config:
     return uvicorn.Config(build_app(gateway.client, gateway=gateway), host=ns.host,
                           port=ns.port, lifespan="off", access_log=False,
-                          log_level=ns.log_level, ws="websockets-sansio", timeout_graceful_shutdown=5,
+                          log_level=ns.log_level, ws="websockets-sansio",
+                          timeout_graceful_shutdown=5,
                           http=timed_protocol(ns.header_timeout, ns.body_timeout),
                           ws_max_size=ns.max_body_bytes)
 
