@@ -16,6 +16,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_port_out_of_range_exits_2_naming_the_flag(port: str) -> None:
     # NOTE: the socket layer takes a port modulo 65536: 99999 would listen on 34463
     r = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--port", port],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert "--port" in r.stderr and port in r.stderr
