@@ -123,10 +123,11 @@ def _add_reply_args(group: argparse._ArgumentGroup) -> None:
 
 
 class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Adds "(default: ...)" to help that does not say its default already."""
+    """Adds "(default: ...)" to help that does not speak of its default already, and not
+    "(default: None)": an unset flag's help says what then happens."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.help and "(default:" in action.help:
+        if action.help and ("default" in action.help.lower() or action.default is None):
             return action.help
         return super()._get_help_string(action)
 

@@ -35,6 +35,9 @@ from ipc.sampling import SamplingParams
 from ipc.text import ChoiceText
 
 log = structlog.get_logger("pagedserve.request")
+# the finish_reason label of a request the engine refused as the client's fault (a 400 naming
+# the field: a grammar it could not compile): not an engine "error"
+FINISH_INVALID = "invalid"
 
 
 class RequestStreamLike(Protocol):
@@ -167,6 +170,7 @@ class Generation:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.engine_metrics: RequestMetrics | None = None  # None if the gateway ended it
+        self.error_param: str | None = None  # the field at fault, when the engine refused it
         self._last: float | None = None
         self._logged = False
         self._closed = False
@@ -233,6 +237,7 @@ class Generation:
         ids = delta.new_token_ids
         i = delta.index
         if delta.finish_reason == FINISH_ERROR:
+            self.error_param = delta.error_param
             self._end_choices(FINISH_ERROR)
             return Piece("", ids, None, FINISH_ERROR, delta.error, index=i,
                          error_param=delta.error_param)
@@ -308,6 +313,8 @@ class Generation:
             self.finished_time = time.time()
         e2e = self.finished_time - self.job.arrival
         reason = self.finish_reason or FINISH_ABORT
+        if reason == FINISH_ERROR and self.error_param is not None:
+            reason = FINISH_INVALID
         self._metrics.e2e.observe(e2e, self.job.model)
         self._metrics.finished(reason, self.job.model)
         fields: dict[str, Any] = dict(

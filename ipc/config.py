@@ -330,7 +330,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
         help_text = f.metadata.get("help", "")
-        if "(default:" not in help_text:  # NOTE: some helps say their default in words
+        # NOTE: some helps say their default in words; a None default's help says what then
+        if "default" not in help_text.lower() and f.default is not None:
             help_text += f" (default: {f.default})"
         if f.type == "bool":
             group.add_argument(_flag(f.name), dest=f.name, default=f.default, help=help_text,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -158,6 +159,11 @@ def test_refused_grammars_are_400s_naming_the_field(client, url):
     metrics = httpx.get(f"{url}/metrics").text
     assert "pagedserve_grammar_compile_seconds_count" in metrics
     assert "pagedserve_grammar_failures_total" in metrics
+    # the three refused grammars were the client's fault (400s), not engine errors
+    invalid = re.search(r'^pagedserve_requests_total\{finish_reason="invalid"\} (\S+)$',
+                        metrics, re.M)
+    assert invalid and float(invalid.group(1)) >= 3
+    assert 'pagedserve_requests_total{finish_reason="error"}' not in metrics
 
 
 async def test_websocket_generate_with_tools_and_a_refused_grammar(url):
