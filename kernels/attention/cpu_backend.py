@@ -2,15 +2,16 @@
 
 The torch backend gathers each decode's blocks into a contiguous copy before its SDPA, which
 reads and writes the whole cache once more than attention itself needs. `csrc/decode.c` walks
-the blocks in place with an online softmax, one OpenMP task per sequence (16 tokens' scores
-per vector for head dims of 64 and 128), and splits long sequences across threads when those
-tasks are too few (split-KV). It is part of the one CPU library (kernels/cpu/library.py),
+the blocks in place with an online softmax, one OpenMP task per sequence and split (16 tokens'
+scores per vector for head dims of 64 and 128), each sequence's keys split every 16 blocks by
+its own length (split-KV), never by its batch or the thread count. It is part of the one CPU library (kernels/cpu/library.py),
 compiled on first use; it links the libgomp torch has already loaded, so both share one thread
 pool. A float16 cache is widened in registers (queries and outputs stay float32). KV writes of
 float32 rows into a float32 or float16 cache are one C call too (both through
-kernels/cpu/decode.py). Prefill chunks run through the same kernel, each query token as the
-decode of its position (batch- and chunk-invariant, as decode is). Soft-capped scores, other
-dtypes and the FP8 cache go to the torch backend.
+kernels/cpu/decode.py). With `meta.invariant` (the engine's --batch-invariant, its default)
+prefill chunks run through the same kernel, each query token as the decode of its position
+(batch- and chunk-invariant, as decode is); without it they go to SDPA. Soft-capped scores,
+other dtypes and the FP8 cache go to the torch backend.
 Without a C compiler the backend is unavailable and `auto` stays on torch.
 """
 
@@ -135,8 +136,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            num_threads: int | None = None) -> None:
     """Decodes (one query token per sequence, the first len(q) sequences) into `out`.
 
-    Each sequence's blocks are split across threads when the sequences give fewer than two
-    tasks per thread and the sequence has 16+ blocks. `meta.window` bounds the keys read.
+    Each sequence's keys are split every 16 blocks (by its own length alone) and the splits
+    spread over the threads. `meta.window` bounds the keys read.
     """
     c_decode.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, scale,
                           meta.window or 0, num_threads or torch.get_num_threads())
