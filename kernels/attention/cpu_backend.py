@@ -8,10 +8,10 @@ its own length (split-KV), never by its batch or the thread count. It is part of
 library (kernels/cpu/library.py), compiled on first use; it links the libgomp torch has
 already loaded, so both share one thread pool. A float16 cache is widened in registers
 (queries and outputs stay float32). KV writes of float32 rows into a float32 or float16 cache
-are one C call too (both through kernels/cpu/decode.py). With `meta.invariant` (the engine's --batch-invariant, its default)
-prefill chunks run through the same kernel, each query token as the decode of its position
-(batch- and chunk-invariant, as decode is); without it they go to SDPA. Soft-capped scores,
-other dtypes and the FP8 cache go to the torch backend.
+are one C call too (both through kernels/cpu/decode.py). With `meta.invariant` (the engine's
+--batch-invariant, its default) prefill chunks run through the same kernel, each query token
+as the decode of its position (batch- and chunk-invariant, as decode is); without it they go
+to SDPA. Soft-capped scores, other dtypes and the FP8 cache go to the torch backend.
 Without a C compiler the backend is unavailable and `auto` stays on torch.
 """
 
