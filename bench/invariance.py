@@ -39,9 +39,10 @@ class Run:
     logits: list[list[torch.Tensor]] = field(default_factory=list)
 
 
-def capture(llm: LLM, prompts: list[str], max_tokens: int, extra: list[str] = ()) -> Run:
-    """Generate `prompts` (and `extra` batch mates, not recorded) greedily in one call, keeping
-    the raw logits the sampler saw for each of the recorded requests."""
+def capture(llm: LLM, prompts: list[str], max_tokens: int) -> Run:
+    """Generate `prompts` greedily in one call (`ignore_eos`), keeping the raw logits the
+    sampler saw at each of their steps. NOTE: a step that verifies drafts samples through
+    `Sampler.verify`, so a speculating request records only its plain steps."""
     seen: dict[str, list[torch.Tensor]] = {}
     cls = type(llm.engine.runner.sampler)
     original = cls.__call__
@@ -54,11 +55,11 @@ def capture(llm: LLM, prompts: list[str], max_tokens: int, extra: list[str] = ()
     cls.__call__ = recording  # type: ignore[method-assign]
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        outs = llm.generate([*prompts, *extra], params)
+        outs = llm.generate(prompts, params)
     finally:
         cls.__call__ = original  # type: ignore[method-assign]
     run = Run()
-    for out in outs[: len(prompts)]:
+    for out in outs:
         run.tokens.append(out.outputs[0].token_ids)
         run.logits.append(seen[out.request_id])
     return run
@@ -93,18 +94,20 @@ def scenarios(model: str | None, numerics: str, kv: str, prompts: list[str], mat
 
     base = make()
     ref = alone(base)
-    cases: dict[str, Callable[[], Run]] = {
-        "prefix cache warm": lambda: alone(base),  # the same engine: every prompt cached
-        "batch mates (first row)": lambda: capture(base, prompts[:1], max_tokens, mates),
-        "batch mates (all rows)": lambda: capture(make(), prompts, max_tokens, mates[:4]),
-        "prefill chunks of 64": lambda: alone(make(max_num_batched_tokens=64)),
-        "1 thread": lambda: alone(make(num_threads=1)),
+    # name -> (the run, how many of its first requests are `prompts`: batch mates follow them)
+    cases: dict[str, tuple[Callable[[], Run], int]] = {
+        "prefix cache warm": (lambda: alone(base), len(prompts)),  # the same engine: cached
+        "batch mates (first row)": (lambda: capture(base, prompts[:1] + mates, max_tokens), 1),
+        "batch mates (all rows)": (lambda: capture(make(), prompts + mates[:4], max_tokens),
+                                   len(prompts)),
+        "prefill chunks of 64": (lambda: alone(make(max_num_batched_tokens=64)), len(prompts)),
+        "1 thread": (lambda: alone(make(num_threads=1)), len(prompts)),
     }
     results = {}
-    for name, fn in cases.items():
+    for name, (fn, n) in cases.items():
         run = fn()
-        n = len(run.tokens)
-        results[name] = compare(Run(ref.tokens[:n], ref.logits[:n]), run)
+        results[name] = compare(Run(ref.tokens[:n], ref.logits[:n]),
+                                Run(run.tokens[:n], run.logits[:n]))
     return results
 
 

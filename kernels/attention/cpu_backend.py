@@ -103,14 +103,7 @@ def prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     a8's int8 rounding turned its last-bit differences into logit differences of 0.4-0.6 on
     the bundled model between a prompt prefilled whole and in chunks of 100 tokens."""
     nd = meta.num_decodes
-    qlens = torch.tensor(meta.query_lens_cpu[nd:])
-    rows = torch.repeat_interleave(torch.arange(nd, meta.num_seqs), qlens)
-    last = torch.tensor(meta.seq_lens_cpu[nd:])  # each chunk's last position + 1
-    ends = qlens.cumsum(0)
-    # position + 1 of each token: its chunk's last, less the tokens after it in the chunk
-    lens = (last.repeat_interleave(qlens)
-            - (ends.repeat_interleave(qlens) - 1 - torch.arange(int(ends[-1])))).to(torch.int32)
-    tables = meta.block_tables.index_select(0, rows.to(meta.block_tables.device))
+    tables, lens = meta.prefill_rows()
     c_decode.paged_decode(q[nd:], k_cache, v_cache, tables, lens, out[nd:], scale,
                           meta.window or 0, num_threads or torch.get_num_threads())
 

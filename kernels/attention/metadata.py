@@ -31,6 +31,8 @@ class AttentionMetadata:
     # prefill tokens attend as their decodes would, where the backend can (the CPU kernel):
     # a token's attention is then the same bits in any batch, chunking or cache state
     invariant: bool = False
+    _prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False, compare=False)
     _by_window: dict = field(default_factory=dict, repr=False, compare=False)
 
     def with_window(self, window: int | None) -> AttentionMetadata:
@@ -44,3 +46,20 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def prefill_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every prefill token as a decode row: (its sequence's block table [tokens, max
+        blocks] int64, its position + 1 [tokens] int32). Made once per step: every layer (and
+        window) of the step shares it."""
+        if self._prefill_rows is None:
+            nd = self.num_decodes
+            qlens = torch.tensor(self.query_lens_cpu[nd:])
+            rows = torch.repeat_interleave(torch.arange(nd, self.num_seqs), qlens)
+            last = torch.tensor(self.seq_lens_cpu[nd:])  # each chunk's last position + 1
+            ends = qlens.cumsum(0)
+            # position + 1 of each token: its chunk's last, less the tokens after it
+            lens = last.repeat_interleave(qlens) - (
+                ends.repeat_interleave(qlens) - 1 - torch.arange(int(ends[-1])))
+            tables = self.block_tables.index_select(0, rows.to(self.block_tables.device))
+            self._prefill_rows = (tables, lens.to(torch.int32))
+        return self._prefill_rows

@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.invariance import capture
 from engine import LLM
-from ipc.sampling import SamplingParams
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an are river city "
          "people music light winter garden letter").split()
@@ -35,24 +35,9 @@ def _prompt(seed: int, words: int) -> str:
 def _logits(llm: LLM, prompts: list[str], watched: int
             ) -> tuple[list[torch.Tensor], list[int]]:
     """Each sampling step's raw logits of prompt `watched` (the prompts submitted together),
-    and its tokens. NOTE: a step that verifies drafts samples through `Sampler.verify`, so a
-    speculating request records only its plain steps."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    cls = type(llm.engine.runner.sampler)
-    original = cls.__call__
-
-    def recording(self, logits, rows):
-        for i, row in enumerate(rows):
-            seen.setdefault(row.key, []).append(logits[i].clone())
-        return original(self, logits, rows)
-
-    cls.__call__ = recording  # type: ignore[method-assign]
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outs = llm.generate(prompts, params)
-    finally:
-        cls.__call__ = original  # type: ignore[method-assign]
-    return seen[outs[watched].request_id], outs[watched].outputs[0].token_ids
+    and its tokens (bench/invariance.py's capture)."""
+    run = capture(llm, prompts, MAX_TOKENS)
+    return run.logits[watched], run.tokens[watched]
 
 
 @pytest.fixture(scope="module")
