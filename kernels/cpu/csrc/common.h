@@ -85,7 +85,7 @@ static inline uint16_t rd16(const uint8_t *p)
 }
 
 /* ---- the GGML type table: name, ggml type id, weights per block, bytes per block ----------
- * (gguf.GGMLQuantizationType and gguf.GGML_QUANT_SIZES; block formats in quant.h) */
+ * (gguf.GGMLQuantizationType and gguf.GGML_QUANT_SIZES; block formats in quant_blocks.h) */
 #define GGML_TYPES(X)                                                                          \
     X(Q4_0, 2, 32, 18) X(Q4_1, 3, 32, 20) X(Q5_0, 6, 32, 22) X(Q5_1, 7, 32, 24)                \
     X(Q8_0, 8, 32, 34) X(Q4_K, 12, 256, 144) X(Q5_K, 13, 256, 176) X(Q6_K, 14, 256, 210)

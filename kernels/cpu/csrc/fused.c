@@ -25,7 +25,7 @@
 typedef struct {
     int64_t hidden, inter, heads, kv_heads, head_dim, block_size, num_slots;
     float eps, scale;
-    int numerics, act; /* quant.h's: 0 a32, 1 a8; mlp.c's: 0 silu, 1 gelu_tanh */
+    int numerics, act; /* quant_blocks.h's: 0 a32, 1 a8; mlp.c's: 0 silu, 1 gelu_tanh */
     int kv_f16;        /* the pools hold float16 bits */
     int64_t lora_slots; /* the LoRA slots each layer's LoraWeights hold (0: none) */
 } Shape;

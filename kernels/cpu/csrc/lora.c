@@ -16,10 +16,8 @@
 
 #include "api.h"
 #include "lora.h"
-
-#if KERNELS_X86
-#include <immintrin.h>
-#endif
+#include "vec_avx2.h"
+#include "vec_avx512.h"
 
 #define CHUNK 64 /* output features per item of the second phase */
 #define DOTS 4   /* rows per pass over a row of A */
@@ -135,13 +133,6 @@ INLINE_AVX2 __m256i lanes_below(int64_t left)
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-INLINE_AVX2 float hsum256(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 TARGET_AVX2 static void low_avx2(const float *a, int64_t K, const float *x, int64_t xs,
                                  const int64_t *rows, int64_t n, float *low, int64_t ldl)
 {
@@ -160,7 +151,7 @@ TARGET_AVX2 static void low_avx2(const float *a, int64_t K, const float *x, int6
                 acc[d] = _mm256_fmadd_ps(av, _mm256_maskload_ps(xr[d] + k, mk), acc[d]);
         }
         for (int64_t d = 0; d < m; d++)
-            low[(i + d) * ldl] = hsum256(acc[d]);
+            low[(i + d) * ldl] = hsum8(acc[d]);
     }
 }
 
@@ -194,11 +185,6 @@ TARGET_AVX2 static void add_avx2(const float *bt, int64_t N, const float *const 
                 }
         }
     }
-}
-
-INLINE_AVX512 __mmask16 mask_below(int64_t left)
-{
-    return left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
 }
 
 TARGET_AVX512 static void low_avx512(const float *a, int64_t K, const float *x, int64_t xs,

@@ -1,7 +1,7 @@
 /* Products with GGUF-quantized weights on the CPU: out[M, N] = x[M, K] @ W[N, K]^T; the entry
  * points over raw blocks and the run-time ISA choice.
  *
- * W stays in its file's blocks (formats and numerics: quant.h). One pass over W serves every
+ * W stays in its file's blocks (formats and numerics: quant_blocks.h). One pass over W serves every
  * row: threads take chunks of output features and run the chosen path over them: the scalar
  * reference (quant_ref.c) or the AVX2 / AVX-512 VNNI tiles (quant_x86.c), chosen here at run
  * time by probing the CPU, or forced by the caller. Packed tiles: quant_packed.c; the fused
@@ -11,7 +11,8 @@
 #include <stdlib.h>
 
 #include "api.h"
-#include "quant.h"
+#include "quant_blocks.h"
+#include "vec_avx512.h"
 
 #define NCHUNK 16 /* output features per task */
 #define GEMM_CHUNK 32 /* output features per task of the expanded-tile path */
@@ -79,7 +80,8 @@ int quantize_act(const float *x, int64_t xs, int64_t M, int64_t K, QAct *qa, int
     for (int64_t r = 0; r < M; r++) {
 #if KERNELS_X86
         if (simd) {
-            quantize_row_avx512(x + r * xs, K, qa->q + r * K, qa->dx + r * G, qa->sx + r * G);
+            quantize_row_avx512(x + r * xs, K, qa->q + r * K, qa->dx + r * G, qa->sx + r * G,
+                                NULL, NULL);
             continue;
         }
 #endif

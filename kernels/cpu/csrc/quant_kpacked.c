@@ -1,5 +1,5 @@
 /* Packed 16-feature tiles for the 5-bit and K-quant GGUF types (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
- * on AVX-512 VNNI: the counterpart of cpu_quant.c's packed Q4_0/Q4_1/Q8_0 tiles, with the
+ * on AVX-512 VNNI: the counterpart of quant_packed.c's packed Q4_0/Q4_1/Q8_0 tiles, with the
  * same entry points (kq_ prefix) and the same numerics (a32: float32 FMA of the expanded
  * weights; a8: activations to int8 per 32 values, vpdpbusd of unsigned weights).
  *
@@ -7,7 +7,7 @@
  * (256 weights for the K types, 32 for Q5_0/Q5_1), each a head of per-feature scales and then
  * its 32-weight groups. Every group holds unsigned integers u (w = a u + b):
  *   nibble rows: 4 zmm rows of 64 bytes; row r, lane j (feature), byte i: low nibble = bits 0-3
- *     of weight 4r+i, high nibble = bits 0-3 of weight 16+4r+i (as cpu_quant.c's Q4 tiles);
+ *     of weight 4r+i, high nibble = bits 0-3 of weight 16+4r+i (as quant_packed.c's Q4 tiles);
  *   5-bit types: one 64-byte plane, lane j byte i: bit r = bit 4 of weight 4r+i, bit 4+r =
  *     bit 4 of weight 16+4r+i;
  *   Q6_K: two 64-byte planes (weights 0-15, 16-31), lane j byte i: bits 2r..2r+1 = bits 4-5 of
@@ -18,7 +18,7 @@
  *   Q6_K: d, 16 int8 scales (one per 16 weights): a = d sc, b = -32 a (per half group)
  * Bytes: Q5_0/Q5_1/Q6_K tiles are the raw blocks' size; Q4_K and Q5_K 64 bytes more per tile
  * and super-block (2.8% and 2.3%), the scales unpacked from their 6-bit fields.
- * Built and loaded by kernels/cpu_kquant.py.
+ * Called through kernels/cpu/kquant.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,6 +27,7 @@
 
 #include "common.h" /* float16 bits, the GGML type ids (T_*), rd16 */
 #include "lora.h"   /* the MLP's LoRA deltas */
+#include "vec_avx512.h"
 
 enum { NUM_A32 = 0, NUM_A8 = 1 };
 
@@ -244,12 +245,6 @@ int kq_packed_rows(int type, const uint8_t *packed, int64_t N, int64_t K, const 
 
 /* ---- AVX-512 VNNI kernels ------------------------------------------------------------------ */
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-
-#define T5F __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
-#define T5 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"), \
-                          always_inline)) static inline
-
 int kq_isa_supported(void)
 {
     __builtin_cpu_init();
@@ -265,27 +260,6 @@ typedef struct {
     int8_t *q;
     float *dx, *sx, *sl, *sh;
 } QAct;
-
-/* cpu_quant.c's quantize_row_avx512 (the same numbers), plus the half sums. */
-T5F static void quantize_row(const float *x, int64_t K, int8_t *q, float *dx, float *sx,
-                             float *sl, float *sh)
-{
-    for (int64_t g = 0; g < K / 32; g++) {
-        const __m512 a = _mm512_loadu_ps(x + g * 32), b = _mm512_loadu_ps(x + g * 32 + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        const __m512 vid = _mm512_set1_ps(id);
-        const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, vid));
-        const __m512i ib = _mm512_cvtps_epi32(_mm512_mul_ps(b, vid));
-        _mm_storeu_si128((__m128i *)(q + g * 32), _mm512_cvtsepi32_epi8(ia));
-        _mm_storeu_si128((__m128i *)(q + g * 32 + 16), _mm512_cvtsepi32_epi8(ib));
-        const int lo = _mm512_reduce_add_epi32(ia), hi = _mm512_reduce_add_epi32(ib);
-        dx[g] = d;
-        sx[g] = d * (float)(lo + hi);
-        sl[g] = d * (float)lo;
-        sh[g] = d * (float)hi;
-    }
-}
 
 static void qact_free(QAct *qa)
 {
@@ -311,8 +285,8 @@ static void quantize_rows(const float *x, int64_t xs, int64_t r0, int64_t r1, in
 {
     const int64_t G = K / 32;
     for (int64_t r = r0; r < r1; r++)
-        quantize_row(x + r * xs, K, qa->q + r * K, qa->dx + r * G, qa->sx + r * G,
-                     qa->sl + r * G, qa->sh + r * G);
+        quantize_row_avx512(x + r * xs, K, qa->q + r * K, qa->dx + r * G, qa->sx + r * G,
+                            qa->sl + r * G, qa->sh + r * G);
 }
 
 /* One group's 16 features: u[r] (r = 0..7) holds weights 4r..4r+3 in each lane's dword;
@@ -323,9 +297,12 @@ typedef struct {
 } Group;
 
 /* A | (B & C) */
-T5 __m512i or_and(__m512i a, __m512i b, __m512i c) { return _mm512_ternarylogic_epi32(a, b, c, 0xF8); }
+INLINE_AVX512 __m512i or_and(__m512i a, __m512i b, __m512i c)
+{
+    return _mm512_ternarylogic_epi32(a, b, c, 0xF8);
+}
 
-T5 void load_group(int type, const uint8_t *sb, int g, Group *G)
+INLINE_AVX512 void load_group(int type, const uint8_t *sb, int g, Group *G)
 {
     const uint8_t *p = sb + head_bytes(type) + g * group_bytes(type);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -379,16 +356,11 @@ T5 void load_group(int type, const uint8_t *sb, int g, Group *G)
     }
 }
 
-static inline void prefetch_sb(const uint8_t *p, int64_t bytes)
-{
-    for (int64_t b = 0; b < bytes; b += 64)
-        __builtin_prefetch(p + b, 0, 2);
-}
-
 /* A8: rows r0..r0+RT of one tile; `next` (the next tile, or NULL) is prefetched on the first
- * row pass, as cpu_quant.c's ptile_a8 does. */
-T5 void ktile_a8(int type, const int RT, const uint8_t *tile, const uint8_t *next, int64_t S,
-                 int64_t K, const QAct *qa, int64_t r0, float *out, int64_t os, __mmask16 valid)
+ * row pass, as quant_packed.c's ptile_a8 does. */
+INLINE_AVX512 void ktile_a8(int type, const int RT, const uint8_t *tile, const uint8_t *next,
+                            int64_t S, int64_t K, const QAct *qa, int64_t r0, float *out,
+                            int64_t os, __mmask16 valid)
 {
     const int64_t G = K / 32, sbb = sb_bytes(type);
     const int groups = sb_elems(type) / 32;
@@ -398,22 +370,15 @@ T5 void ktile_a8(int type, const int RT, const uint8_t *tile, const uint8_t *nex
     for (int64_t s = 0; s < S; s++) {
         const uint8_t *sb = tile + s * sbb;
         if (next && r0 == 0)
-            prefetch_sb(next + s * sbb, sbb);
+            prefetch_l2(next + s * sbb, sbb);
         for (int g = 0; g < groups; g++) {
             Group w;
             load_group(type, sb, g, &w);
             const int64_t gi = s * groups + g;
             for (int t = 0; t < RT; t++) {
                 const int64_t row = r0 + t;
-                const int8_t *xq = qa->q + row * K + gi * 32;
-                __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
-                for (int r = 0; r < 4; r++) {
-                    int32_t xa, xb;
-                    memcpy(&xa, xq + 4 * r, 4);
-                    memcpy(&xb, xq + 16 + 4 * r, 4);
-                    ia = _mm512_dpbusd_epi32(ia, w.u[r], _mm512_set1_epi32(xa));
-                    ib = _mm512_dpbusd_epi32(ib, w.u[r + 4], _mm512_set1_epi32(xb));
-                }
+                __m512i ia, ib;
+                dot_a8(w.u, qa->q + row * K + gi * 32, &ia, &ib);
                 const __m512 dx = _mm512_set1_ps(qa->dx[row * G + gi]);
                 if (type == T_Q6_K) {
                     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(w.a0, dx), acc[t]);
@@ -428,12 +393,11 @@ T5 void ktile_a8(int type, const int RT, const uint8_t *tile, const uint8_t *nex
             }
         }
     }
-    for (int t = 0; t < RT; t++)
-        _mm512_mask_storeu_ps(out + (r0 + t) * os, valid, _mm512_add_ps(acc[t], macc[t]));
+    store_a8(RT, acc, macc, r0, out, os, valid);
 }
 
 /* Weight 4r+i of each lane of a group as float32: a u + b. */
-T5 __m512 weight_f32(const Group *w, int r, int i)
+INLINE_AVX512 __m512 weight_f32(const Group *w, int r, int i)
 {
     const __m512 u = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w->u[r], 8 * i),
                                                          _mm512_set1_epi32(0xFF)));
@@ -441,9 +405,9 @@ T5 __m512 weight_f32(const Group *w, int r, int i)
 }
 
 /* A32: the weights expanded to float32 (16 features per zmm), float32 FMA, 4 rows at most. */
-T5 void ktile_a32(int type, const int RT, const uint8_t *tile, const uint8_t *next, int64_t S,
-                  const float *x, int64_t xs, int64_t r0, float *out, int64_t os,
-                  __mmask16 valid)
+INLINE_AVX512 void ktile_a32(int type, const int RT, const uint8_t *tile, const uint8_t *next,
+                             int64_t S, const float *x, int64_t xs, int64_t r0, float *out,
+                             int64_t os, __mmask16 valid)
 {
     const int64_t sbb = sb_bytes(type);
     const int groups = sb_elems(type) / 32;
@@ -454,7 +418,7 @@ T5 void ktile_a32(int type, const int RT, const uint8_t *tile, const uint8_t *ne
     for (int64_t s = 0; s < S; s++) {
         const uint8_t *sb = tile + s * sbb;
         if (next && r0 == 0)
-            prefetch_sb(next + s * sbb, sbb);
+            prefetch_l2(next + s * sbb, sbb);
         for (int g = 0; g < groups; g++) {
             Group w;
             load_group(type, sb, g, &w);
@@ -468,36 +432,23 @@ T5 void ktile_a32(int type, const int RT, const uint8_t *tile, const uint8_t *ne
                 }
         }
     }
-    for (int t = 0; t < RT; t++)
-        _mm512_mask_storeu_ps(out + (r0 + t) * os, valid,
-                              _mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]),
-                                            _mm512_add_ps(acc[t][2], acc[t][3])));
+    store_a32(RT, acc, r0, out, os, valid);
 }
-
-/* Rows of one tile in register tiles of up to MAXRT rows (8 or 4), the rest 3, 2, 1. */
-#define KTILES(MAXRT, FN, T, ...)                                                             \
-    for (int64_t r0 = 0; r0 < M;) {                                                           \
-        if ((MAXRT) >= 8 && M - r0 >= 8) { FN(T, 8, __VA_ARGS__); r0 += 8; continue; }        \
-        switch (M - r0 >= 4 ? 4 : M - r0) {                                                   \
-        case 4: FN(T, 4, __VA_ARGS__); r0 += 4; break;                                        \
-        case 3: FN(T, 3, __VA_ARGS__); r0 += 3; break;                                        \
-        case 2: FN(T, 2, __VA_ARGS__); r0 += 2; break;                                        \
-        default: FN(T, 1, __VA_ARGS__); r0 += 1; break;                                       \
-        }                                                                                     \
-    }
 
 /* NOTE: a8 takes 8-row tiles but for Q6_K, whose two scales per group and two high planes
  * leave too few registers for 16 accumulators; a32's accumulators hold 4 rows. */
-T5F static void ktile_rows(int type, int numerics, const uint8_t *tile, const uint8_t *next,
-                           int64_t S, int64_t K, const float *x, int64_t xs, const QAct *qa,
-                           int64_t M, float *out, int64_t os, __mmask16 valid)
+TARGET_AVX512 static void ktile_rows(int type, int numerics, const uint8_t *tile,
+                                     const uint8_t *next, int64_t S, int64_t K, const float *x,
+                                     int64_t xs, const QAct *qa, int64_t M, float *out,
+                                     int64_t os, __mmask16 valid)
 {
 #define KCASE(T)                                                                              \
     case T:                                                                                   \
         if (numerics == NUM_A8)                                                               \
-            KTILES(T == T_Q6_K ? 4 : 8, ktile_a8, T, tile, next, S, K, qa, r0, out, os, valid) \
+            TILE_ROWS(T == T_Q6_K ? 4 : 8, ktile_a8, T, tile, next, S, K, qa, r0, out, os,     \
+                      valid)                                                                  \
         else                                                                                  \
-            KTILES(4, ktile_a32, T, tile, next, S, x, xs, r0, out, os, valid)                 \
+            TILE_ROWS(4, ktile_a32, T, tile, next, S, x, xs, r0, out, os, valid)              \
         break;
     switch (type) {
         KCASE(T_Q5_0) KCASE(T_Q5_1) KCASE(T_Q4_K) KCASE(T_Q5_K) KCASE(T_Q6_K)
@@ -511,16 +462,14 @@ static inline void product_tiles(int type, int numerics, const uint8_t *packed, 
 {
     const int64_t S = K / sb_elems(type), tiles = (N + 15) / 16, tb = S * sb_bytes(type);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t left = N - 16 * t;
-        const __mmask16 valid = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    for (int64_t t = 0; t < tiles; t++)
         ktile_rows(type, numerics, packed + t * tb, t + 1 < tiles ? packed + (t + 1) * tb : NULL,
-                   S, K, x, xs, qa, M, out + 16 * t, os, valid);
-    }
+                   S, K, x, xs, qa, M, out + 16 * t, os, mask_below(N - 16 * t));
 }
 
 /* One group's float32 weights, K-major: outT[k, lane] for its 32 weights k (row stride ld). */
-T5F static void kmajor_group(int type, const uint8_t *sb, int g, float *outT, int64_t ld)
+TARGET_AVX512 static void kmajor_group(int type, const uint8_t *sb, int g, float *outT,
+                                       int64_t ld)
 {
     Group w;
     load_group(type, sb, g, &w);
@@ -583,58 +532,10 @@ int kq_packed_kmajor(int type, const uint8_t *packed, int64_t N, int64_t K, int6
 #endif
 }
 
-#if defined(__x86_64__) || defined(__i386__)
-/* e^x, 16 lanes (cpu_quant.c's exp512: Cephes' expf polynomial, about 1 ulp). */
-T5 __m512 exp512(__m512 x)
-{
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* act(gate) * up, 16 values: silu(g) = g / (1 + e^-g); gelu_tanh(g) = 0.5 g (1 + tanh y),
- * y = sqrt(2 / pi) (g + 0.044715 g^3) (cpu_quant.c's act_mul). */
-T5 __m512 act_mul(int act, __m512 g, __m512 u)
-{
-    const __m512 one = _mm512_set1_ps(1.0f);
-    if (act == 0)
-        return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(
-            _mm512_setzero_ps(), g)))), u);
-    const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
-    const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
-                                   _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
-    const __m512 e = exp512(_mm512_add_ps(y, y));
-    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(one, e)));
-    return _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g),
-                                       _mm512_add_ps(one, t)), u);
-}
-
-T5F static void act_rows(int act, const float *h, int64_t I, int64_t r, int64_t i0, int64_t i1,
-                         float *a)
-{
-    for (int64_t i = i0; i < i1; i += 16) {
-        const __mmask16 k = i1 - i >= 16 ? 0xFFFF : (__mmask16)((1u << (i1 - i)) - 1);
-        const __m512 g = _mm512_maskz_loadu_ps(k, h + r * 2 * I + i);
-        const __m512 u = _mm512_maskz_loadu_ps(k, h + r * 2 * I + I + i);
-        _mm512_mask_storeu_ps(a + r * I + i, k, act_mul(act, g, u));
-    }
-}
-#endif
-
 /* out[M, H] = down(act(gate) * up), gate|up the rows of `gu` ([2I, H], gate first, type tgu)
  * and `dn` [H, I] (type td), both packed by kq_pack; act 0 silu, 1 gelu_tanh; with `lora`
  * (NULL: none) each adapted product's delta right after it. One OpenMP region, as
- * cpu_quant.c's quant_mlp_packed. x and out contiguous. AVX-512 VNNI only. */
+ * mlp.c's quant_mlp_packed. x and out contiguous. AVX-512 VNNI only. */
 int kq_mlp_packed(int tgu, const uint8_t *gu, int td, const uint8_t *dn, int64_t I, int64_t H,
                   const float *x, int64_t M, float *out, int numerics, int act,
                   const MlpLora *lora, int num_threads)

@@ -18,11 +18,8 @@
 #include <string.h>
 
 #include "api.h"
-#include "quant.h"
-
-#if KERNELS_X86
-#include <immintrin.h>
-#endif
+#include "quant_blocks.h"
+#include "vec_avx512.h"
 
 static inline int packs(int type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0; }
 
@@ -148,29 +145,20 @@ INLINE_AVX512 void ptile_a8(int type, const int RT, const uint8_t *tile, const u
          * weights come from DRAM each step (30 MLPs of 64 rows: 14.95-16.29 ms against
          * 16.29-17.35; a decode step at 64 streams 44.1-44.8 against 47.1-48.2 ms) */
         if (next && r0 == 0)
-            for (int64_t b = 0; b < gb; b += 64)
-                __builtin_prefetch(next + g * gb + b, 0, 2);
+            prefetch_l2(next + g * gb, gb);
         __m512 d, m;
         __m512i u[8];
         pscales(type, p, &d, &m);
         prows(type, p + qoff, u);
         for (int t = 0; t < RT; t++) {
-            const int8_t *xq = qa->q + (r0 + t) * K + g * 32;
-            __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
-            for (int r = 0; r < 4; r++) {
-                int32_t xa, xb;
-                memcpy(&xa, xq + 4 * r, 4);
-                memcpy(&xb, xq + 16 + 4 * r, 4);
-                ia = _mm512_dpbusd_epi32(ia, u[r], _mm512_set1_epi32(xa));
-                ib = _mm512_dpbusd_epi32(ib, u[r + 4], _mm512_set1_epi32(xb));
-            }
+            __m512i ia, ib;
+            dot_a8(u, qa->q + (r0 + t) * K + g * 32, &ia, &ib);
             const __m512 sc = _mm512_mul_ps(d, _mm512_set1_ps(qa->dx[(r0 + t) * G + g]));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia, ib)), sc, acc[t]);
             macc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(qa->sx[(r0 + t) * G + g]), macc[t]);
         }
     }
-    for (int t = 0; t < RT; t++)
-        _mm512_mask_storeu_ps(out + (r0 + t) * os, valid, _mm512_add_ps(acc[t], macc[t]));
+    store_a8(RT, acc, macc, r0, out, os, valid);
 }
 
 /* A32: w = d u + m expanded to float32 per weight (16 features per zmm), float32 FMA. */
@@ -187,8 +175,7 @@ INLINE_AVX512 void ptile_a32(int type, const int RT, const uint8_t *tile, const 
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *p = tile + g * gb;
         if (next && r0 == 0) /* as ptile_a8 does */
-            for (int64_t b = 0; b < gb; b += 64)
-                __builtin_prefetch(next + g * gb + b, 0, 2);
+            prefetch_l2(next + g * gb, gb);
         __m512 d, m;
         pscales(type, p, &d, &m);
         const int nrows = type == T_Q8_0 ? 8 : 4;
@@ -214,43 +201,40 @@ INLINE_AVX512 void ptile_a32(int type, const int RT, const uint8_t *tile, const 
             }
         }
     }
-    for (int t = 0; t < RT; t++)
-        _mm512_mask_storeu_ps(out + (r0 + t) * os, valid,
-                              _mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]),
-                                            _mm512_add_ps(acc[t][2], acc[t][3])));
+    store_a32(RT, acc, r0, out, os, valid);
 }
 
-/* Rows r0.. of one tile in register tiles of up to MAXRT rows (4 or 8), the rest 3, 2, 1.
+/* One tile's rows (16 features; `valid` of them stored) in TILE_ROWS's register tiles.
  * NOTE: a8 takes 8-row tiles for Q4_0/Q4_1: the unpacked 4-bit weights serve twice the rows
  * (576 -> 3072 Q4_1, 64 rows: 0.27-0.29 ms against 0.31-0.32 with 4-row tiles); Q8_0's eight
  * raw weight registers leave too few for 8 rows (its 64-row head product went from 5.5 to
- * 5.9-6.4 ms), so it keeps 4-row tiles, as a32 does. MAXRT is a constant: where it is 4 the
- * 8-row call is compiled out (ptile_a32's accumulators hold 4 rows). */
-#define PTILES(MAXRT, FN, T, ...)                                                             \
-    for (int64_t r0 = 0; r0 < M;) {                                                           \
-        if ((MAXRT) >= 8 && M - r0 >= 8) { FN(T, 8, __VA_ARGS__); r0 += 8; continue; }        \
-        switch (M - r0 >= 4 ? 4 : M - r0) {                                                   \
-        case 4: FN(T, 4, __VA_ARGS__); r0 += 4; break;                                        \
-        case 3: FN(T, 3, __VA_ARGS__); r0 += 3; break;                                        \
-        case 2: FN(T, 2, __VA_ARGS__); r0 += 2; break;                                        \
-        default: FN(T, 1, __VA_ARGS__); r0 += 1; break;                                       \
-        }                                                                                     \
-    }
-
-TARGET_AVX512 void ptile_rows(int type, int numerics, const uint8_t *tile, const uint8_t *next,
-                              int64_t G, int64_t K, const float *x, int64_t xs, const QAct *qa,
-                              int64_t M, float *out, int64_t os, __mmask16 valid)
+ * 5.9-6.4 ms), so it keeps 4-row tiles, as a32 does (ptile_a32's accumulators hold 4 rows). */
+TARGET_AVX512 static void ptile_rows(int type, int numerics, const uint8_t *tile,
+                                     const uint8_t *next, int64_t G, int64_t K, const float *x,
+                                     int64_t xs, const QAct *qa, int64_t M, float *out,
+                                     int64_t os, __mmask16 valid)
 {
 #define PCASE(T)                                                                              \
     case T:                                                                                   \
         if (numerics == NUM_A8)                                                               \
-            PTILES(T == T_Q8_0 ? 4 : 8, ptile_a8, T, tile, next, G, K, qa, r0, out, os, valid) \
+            TILE_ROWS(T == T_Q8_0 ? 4 : 8, ptile_a8, T, tile, next, G, K, qa, r0, out, os,     \
+                      valid)                                                                  \
         else                                                                                  \
-            PTILES(4, ptile_a32, T, tile, next, G, x, xs, r0, out, os, valid)                 \
+            TILE_ROWS(4, ptile_a32, T, tile, next, G, x, xs, r0, out, os, valid)              \
         break;
     switch (type) {
         PCASE(T_Q4_0) PCASE(T_Q4_1) PCASE(T_Q8_0)
     }
+}
+
+void ptiles_product(int type, int numerics, const uint8_t *packed, int64_t N, int64_t K,
+                    const float *x, int64_t xs, const QAct *qa, int64_t M, float *out, int64_t os)
+{
+    const int64_t G = K / 32, tiles = (N + 15) / 16, tb = G * pgroup_bytes(type);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        ptile_rows(type, numerics, packed + t * tb, t + 1 < tiles ? packed + (t + 1) * tb : NULL,
+                   G, K, x, xs, qa, M, out + 16 * t, os, mask_below(N - 16 * t));
 }
 
 /* outT[k, n - 16 t0] (row stride ld) = W[n, k] for the features of tiles t0..t1: K-major
@@ -290,17 +274,11 @@ int quant_matmul_packed(int type, const uint8_t *packed, int64_t N, int64_t K, c
         || !isa_supported(ISA_AVX512))
         return -1;
 #if KERNELS_X86
-    const int64_t G = K / 32, tiles = (N + 15) / 16, tb = G * pgroup_bytes(type);
     QAct qa = {NULL, NULL, NULL};
     if (numerics == NUM_A8 && quantize_act(x, xs, M, K, &qa, ISA_AVX512, num_threads))
         return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t left = N - 16 * t;
-        const __mmask16 valid = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-        ptile_rows(type, numerics, packed + t * tb, t + 1 < tiles ? packed + (t + 1) * tb : NULL,
-                   G, K, x, xs, &qa, M, out + 16 * t, os, valid);
-    }
+#pragma omp parallel num_threads(num_threads)
+    ptiles_product(type, numerics, packed, N, K, x, xs, &qa, M, out, os);
     free(qa.q), free(qa.dx), free(qa.sx);
     return 0;
 #else

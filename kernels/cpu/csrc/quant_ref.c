@@ -6,9 +6,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "quant.h"
+#include "quant_blocks.h"
 
-/* Scales of group g of a row (quant.h's Scales) and its integers, read from the raw block. */
+/* Scales of group g of a row (quant_blocks.h's Scales) and its integers, read from the raw
+ * block. */
 static inline Scales group_scales(int type, const uint8_t *row, int64_t g)
 {
     Scales s;

@@ -1,13 +1,14 @@
 /* The x86 SIMD paths over raw GGUF blocks: AVX2 (FMA, F16C) and AVX-512 VNNI register tiles
  * of rows (one pass over W serves every row: each chunk of output features is reused from
- * cache for every tile of rows), the AVX-512 expanded-tile GEMM for many rows in a32, and the
- * AVX-512 activation quantizer. Each function carries its own target attribute (common.h), so
- * the file compiles without -march and quant.c picks a path at run time.
+ * cache for every tile of rows) and the AVX-512 expanded-tile GEMM for many rows in a32. Each
+ * function carries its own target attribute (common.h), so the file compiles without -march
+ * and quant.c picks a path at run time.
  */
 #include <stdint.h>
 #include <string.h>
 
-#include "quant.h"
+#include "quant_blocks.h"
+#include "vec_avx2.h"
 
 #if KERNELS_X86
 #include <immintrin.h>
@@ -82,14 +83,6 @@ INLINE_AVX2 __m256i group_q_avx2(int type, const uint8_t *row, int64_t g, Scales
         q = _mm256_or_si256(q, bits_to_bytes(qh, 0x10));
     }
     return q;
-}
-
-INLINE_AVX2 float hsum8(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* q (32 bytes) -> four vectors of 8 floats: w = a * q + b */
@@ -420,25 +413,6 @@ TARGET_AVX512 void gemm_avx512(int type, const uint8_t *w, int64_t rb, int64_t n
                 for (int u = 0; u < nt; u++)
                     out[(r0 + t) * os + n0 + j + u] = _mm512_reduce_add_ps(acc[t][u]);
         }
-    }
-}
-
-/* quantize_row with AVX-512: the same numbers (cvtps rounds to nearest even, as nearbyintf
- * does in the default rounding mode; |x| / dx <= 127 needs no clamp beyond the saturating
- * narrowing). */
-TARGET_AVX512 void quantize_row_avx512(const float *x, int64_t K, int8_t *q, float *dx, float *sx)
-{
-    for (int64_t g = 0; g < K / 32; g++) {
-        const __m512 a = _mm512_loadu_ps(x + g * 32), b = _mm512_loadu_ps(x + g * 32 + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        const __m512 vid = _mm512_set1_ps(id);
-        const __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, vid));
-        const __m512i ib = _mm512_cvtps_epi32(_mm512_mul_ps(b, vid));
-        _mm_storeu_si128((__m128i *)(q + g * 32), _mm512_cvtsepi32_epi8(ia));
-        _mm_storeu_si128((__m128i *)(q + g * 32 + 16), _mm512_cvtsepi32_epi8(ib));
-        dx[g] = d;
-        sx[g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
     }
 }
 #endif

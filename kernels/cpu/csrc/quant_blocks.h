@@ -1,6 +1,6 @@
-/* Internals shared by the quantized-product sources: quant.c (entry points, ISA dispatch),
- * quant_ref.c (scalar reference), quant_x86.c (AVX2 / AVX-512 row tiles), quant_packed.c
- * (16-feature packed tiles) and mlp.c (the one-call MLP).
+/* The GGUF block formats and the internals the quantized-product sources share: quant.c (entry
+ * points, ISA dispatch), quant_ref.c (scalar reference), quant_x86.c (AVX2 / AVX-512 row
+ * tiles), quant_packed.c (16-feature packed tiles) and mlp.c (the one-call MLP).
  *
  * W stays in its file's blocks, row-major: row n is K / block_elems blocks. Every type is read
  * as groups of 32 weights: 32 small integers q (unsigned, or signed for Q8_0 and Q6_K) with
@@ -24,8 +24,8 @@
  * products (vpdpbusd with VNNI: unsigned weights times signed activations, so the unsigned
  * types need no sign trick; the b term is b * dx * sum(qx) per group).
  */
-#ifndef PAGEDSERVE_QUANT_H
-#define PAGEDSERVE_QUANT_H
+#ifndef PAGEDSERVE_QUANT_BLOCKS_H
+#define PAGEDSERVE_QUANT_BLOCKS_H
 
 #include <stdint.h>
 
@@ -85,14 +85,11 @@ HIDDEN TARGET_AVX2 void dequant_avx2(int type, const uint8_t *row, int64_t K, fl
 HIDDEN TARGET_AVX512 void gemm_avx512(int type, const uint8_t *w, int64_t rb, int64_t n0,
                                       int64_t n1, int64_t K, const float *x, int64_t xs,
                                       int64_t M, float *out, int64_t os, float *wbuf);
-HIDDEN TARGET_AVX512 void quantize_row_avx512(const float *x, int64_t K, int8_t *q, float *dx,
-                                              float *sx);
 
-/* quant_packed.c: one packed tile's rows (16 features; `valid` of them stored) */
-HIDDEN TARGET_AVX512 void ptile_rows(int type, int numerics, const uint8_t *tile,
-                                     const uint8_t *next, int64_t G, int64_t K, const float *x,
-                                     int64_t xs, const QAct *qa, int64_t M, float *out,
-                                     int64_t os, uint16_t valid);
+/* quant_packed.c: a product over packed tiles, inside an OpenMP region (a `for` of its own) */
+HIDDEN void ptiles_product(int type, int numerics, const uint8_t *packed, int64_t N, int64_t K,
+                           const float *x, int64_t xs, const QAct *qa, int64_t M, float *out,
+                           int64_t os);
 #endif
 
 /* bytes of one packed 32-weight group of 16 features (0: the type does not pack) */
