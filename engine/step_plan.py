@@ -125,6 +125,9 @@ class StepPlan(msgspec.Struct, gc=False):
     # num_computed_tokens from 0 after a recompute)
     preempted_keys: list[str] = []
     finished_keys: list[str] = []  # finished since the last plan: the runner drops them
+    # of num_scheduled_tokens, those before the end of each key's prompt (the engine's
+    # prompt-token count; drafts and decode tokens are not prompt)
+    num_prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

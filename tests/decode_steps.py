@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.run.forward_context import ForwardContext, forward_context
+from engine.models.forward_context import ForwardContext, forward_context
 from kernels import AttentionMetadata
 from kernels.attention import cpu_backend
 

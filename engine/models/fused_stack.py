@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.models.forward_context import get_forward_context
 from engine.models.gemma import GemmaDecoderLayer
 from engine.models.llama import DecoderLayer, LlamaForCausalLM, RotaryEmbedding
 from engine.models.quant_linear import PREFILL_ROWS, QuantLinear, QuantMLP
-from engine.run.forward_context import get_forward_context
 from kernels.cpu import fused as cpu_fused
 from kernels.cpu.blocks import PackedSegment, Segment
 from kernels.cpu.lora import SlotWeights

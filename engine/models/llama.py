@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
-from engine.run.forward_context import get_forward_context, step_lora
+from engine.models.forward_context import get_forward_context, step_lora
 from kernels.cpu import ops as cpu_ops
 
 if TYPE_CHECKING:
-    from engine.run.lora.batch import LoraBatch
+    from engine.models.lora_batch import LoraBatch
     from kernels.cpu.lora import SlotWeights
 
 

@@ -46,7 +46,7 @@ from kernels.cpu.ggml_types import Q8_0
 from kernels.cpu.lora import SlotWeights
 
 if TYPE_CHECKING:
-    from engine.run.lora.batch import LoraBatch
+    from engine.models.lora_batch import LoraBatch
 
 log = logging.getLogger(__name__)
 

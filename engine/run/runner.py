@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from engine.allocator import untouched_zeros
+from engine.models.forward_context import ForwardContext, forward_context
 from engine.models.llama import LlamaForCausalLM
-from engine.run.forward_context import ForwardContext, forward_context
 from engine.run.lora.slots import LoraSlots
 from engine.run.pooling import Pooler
 from engine.run.rows import Row, RowStates

@@ -163,6 +163,7 @@ class Scheduler:
             if not self.swapped:
                 self._admit_waiting(plan, budget)
         self._plan_rows(plan)
+        plan.num_prompt_tokens = self._prompt_tokens_in(plan)
         plan.block_copies = self.kv.take_pending_copies()
         plan.finished_keys = self._mirror.take_finished()
         return plan
@@ -175,6 +176,15 @@ class Scheduler:
             plan.spec_token_ids[key] = list(drafts)
         drafting = [self._by_key[r.key] for r in plan.sampling if r.key in plan.self_drafts]
         plan.grammar_masks.update(self.grammars.masks(drafting, plan.spec_token_ids))
+
+    def _prompt_tokens_in(self, plan: StepPlan) -> int:
+        """Prompt tokens the plan computes: of each key's scheduled tokens, those before the
+        end of its prompt (its computed tokens are still the step's start)."""
+        total = 0
+        for key, n in plan.num_scheduled_tokens.items():
+            req = self._by_key[key]
+            total += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
+        return total
 
     def _prefill_chunk(self) -> int:
         """The most tokens of one prompt this step: the cap while a running request decodes
@@ -393,14 +403,6 @@ class Scheduler:
             req.num_spec_draft_tokens += len(drafts)
             req.num_spec_accepted_tokens += accepted
             self.kv.trim(req)
-
-    def num_prompt_tokens_in(self, plan: StepPlan) -> int:
-        """Prompt tokens the plan computes (call before update)."""
-        total = 0
-        for key, n in plan.num_scheduled_tokens.items():
-            req = self._by_key[key]
-            total += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
-        return total
 
     # ---- beam search -----------------------------------------------------------------------
 

@@ -17,6 +17,9 @@ class Backend(Protocol):
     """What a backend module provides (`kernels/attention/torch_backend.py` is the reference
     every other backend is tested against)."""
 
+    # its name in the registry: code that calls one backend's kernels itself (the CPU decode
+    # stack, kernels/cpu/fused.py) recognises that backend by it
+    NAME: str
     # NOTE: True where the engine should also run RMSNorm and rope in C (kernels/cpu/ops.py)
     FUSED_CPU_OPS: bool
 

@@ -25,8 +25,9 @@ from kernels.cpu import decode as c_decode
 from kernels.cpu import library
 from kernels.cpu.decode import CACHE_DTYPES, MAX_BLOCK, MAX_GROUP, MAX_ROWS
 
-__all__ = ["CACHE_DTYPES", "FUSED_CPU_OPS", "decode", "fits", "paged_attention", "write_kv"]
+__all__ = ["CACHE_DTYPES", "FUSED_CPU_OPS", "NAME", "decode", "fits", "paged_attention", "write_kv"]
 
+NAME = "cpu"
 # NOTE: at import: any failure is an ImportError, as for a missing triton
 library.load()
 # NOTE: with this backend the engine also runs RMSNorm and rope in C (kernels/cpu/ops.py);

@@ -19,6 +19,7 @@ try:  # the KV write is ours: flash-attn's own writes assume a contiguous cache 
 except ImportError:
     from kernels.attention.torch_backend import write_kv
 
+NAME = "flash_attn"
 FUSED_CPU_OPS = False  # the model's norms and rope stay in torch (cpu_backend's says why)
 
 # (module, kind) in order of preference; names are strings because they are probed at runtime

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from kernels.attention.metadata import AttentionMetadata
 
+NAME = "torch"
 FUSED_CPU_OPS = False  # the reference: the whole model stays in torch
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_E4M3_MAX = 448.0

@@ -22,6 +22,7 @@ from kernels.attention.metadata import AttentionMetadata
 # NOTE: the interpreter gets bf16 arithmetic and tl.dot on 16-bit inputs wrong (it works on the
 # raw bits), so kernels upcast right after loading when it is on.
 INTERPRET: bool = bool(knobs.runtime.interpret)
+NAME = "triton"
 FUSED_CPU_OPS = False  # the model's norms and rope stay in torch (cpu_backend's says why)
 FP8_DTYPES = (torch.float8_e4m3fn,)
 MAX_SPLITS = 64  # the reduce kernel holds all splits of one head in registers

@@ -11,7 +11,7 @@ between the kernels (a8: 9.2 ms per token, of which the products 5.3 and attenti
 from __future__ import annotations
 
 import ctypes
-import sys
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +21,9 @@ from kernels.cpu.decode import MAX_BLOCK, MAX_GROUP, MAX_ROWS
 from kernels.cpu.library import available, build_error
 from kernels.cpu.lora import LoraWeights, SlotWeights
 from kernels.cpu.quant import ACTIVATIONS, NUMERICS, fuses
+
+if TYPE_CHECKING:
+    from kernels.attention import Backend
 
 __all__ = ["KV_DTYPES", "DecodeStack", "LayerWeights", "available", "build_error", "runs_with"]
 
@@ -57,9 +60,9 @@ def _product(segments: list[Segment] | list[PackedSegment], packed: bool, k: int
     return _Product(0, BlockParts.of(segments, k))
 
 
-def runs_with(backend: object) -> bool:
-    """The attention backend whose kernels the driver calls (kernels.attention.cpu_backend)."""
-    return available() and backend is sys.modules.get("kernels.attention.cpu_backend")
+def runs_with(backend: Backend) -> bool:
+    """The attention backend whose kernels the driver calls: the cpu one (by its NAME)."""
+    return available() and backend.NAME == "cpu"
 
 
 class LayerWeights:

@@ -22,7 +22,7 @@ from tiny_gguf import write_gguf
 from tiny_quant_gguf import write_tiny_gguf
 
 from engine import LLM, SamplingParams
-from engine.run.forward_context import ForwardContext, forward_context
+from engine.models.forward_context import ForwardContext, forward_context
 from kernels.attention import cpu_backend, torch_backend
 from kernels.cpu import fused as cpu_fused
 from kernels.cpu import kquant as cpu_kquant

@@ -132,6 +132,26 @@ def test_the_budget_caps_a_step_and_the_rest_waits():
     assert counts(run.step(s)[0]) == [("a", 1), ("b", 2), ("c", 5)]
 
 
+def test_the_plan_counts_the_prompt_tokens_it_computes():
+    """StepPlan.num_prompt_tokens: of each key's scheduled tokens, those of its prompt (the
+    engine's prompt-token count); decode tokens, and the output a recompute computes again,
+    are not."""
+    s, run = make(num_blocks=16, budget=8), FakeRunner()
+    for rid in "abc":
+        s.add(request(rid, 5, max_tokens=4))
+    assert run.step(s)[0].num_prompt_tokens == 5 + 3  # a's prompt, b's first chunk
+    assert run.step(s)[0].num_prompt_tokens == 2 + 5  # a decodes; b's rest, c's prompt
+    assert run.step(s)[0].num_prompt_tokens == 0
+    s, run = make(num_blocks=4, budget=16, mode="recompute"), FakeRunner()
+    s.add(request("a", 8, max_tokens=3))
+    s.add(request("b", 7, max_tokens=3))
+    run.step(s)
+    assert run.step(s)[0].preempted_keys == ["b"]
+    run.step(s)  # a finishes
+    out, _ = run.step(s)
+    assert counts(out) == [("b", 8)] and out.num_prompt_tokens == 7
+
+
 def test_a_long_prompt_takes_small_chunks_only_while_others_decode():
     """max_prefill_tokens_while_decoding caps each prompt's chunk in the steps where another request
     decodes (whose next token waits for the step); alone, a prompt takes the whole budget."""

@@ -1,6 +1,6 @@
 """The attention registry: every backend module that imports here has the Backend protocol's
-members with the reference's signatures, and a new backend is one module plus one
-`register` line (get_backend and auto find it)."""
+members with the reference's signatures (its NAME its registry name), and a new backend is one
+module plus one `register` line (get_backend and auto find it)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 from kernels import attention
 from kernels.attention import BACKENDS, auto_backend, get_backend, register, torch_backend
+from kernels.cpu import fused as cpu_fused
 
 
 def _importable() -> list[str]:
@@ -30,6 +31,7 @@ def _importable() -> list[str]:
 def test_backends_have_the_protocols_members(name: str) -> None:
     module = importlib.import_module(BACKENDS[name].module)
     assert isinstance(module.FUSED_CPU_OPS, bool)
+    assert module.NAME == name
     for fn in ("write_kv", "paged_attention"):
         got = inspect.signature(getattr(module, fn)).parameters
         want = inspect.signature(getattr(torch_backend, fn)).parameters
@@ -50,6 +52,7 @@ def test_a_new_backend_is_one_module_and_one_register_line(monkeypatch) -> None:
     module.write_kv = torch_backend.write_kv
     module.paged_attention = torch_backend.paged_attention
     module.FUSED_CPU_OPS = False
+    module.NAME = "fake"
     monkeypatch.setitem(sys.modules, "tests_fake_backend", module)
     monkeypatch.setattr(attention, "BACKENDS", dict(BACKENDS))
     register("fake", "tests_fake_backend", auto_on=("xpu",), runs_on=("xpu",))
@@ -59,3 +62,16 @@ def test_a_new_backend_is_one_module_and_one_register_line(monkeypatch) -> None:
     with pytest.raises(ValueError, match="runs on xpu only"):
         get_backend("fake", "cpu")
     assert auto_backend("mps") == "torch"
+
+
+def test_the_cpu_decode_stack_knows_its_backend_by_name_not_by_module(monkeypatch) -> None:
+    """kernels/cpu/fused.py runs with the backend whose NAME is "cpu", whichever object it is
+    (not by a look-up in sys.modules); with any other backend the per-layer path runs."""
+    monkeypatch.setattr(cpu_fused, "available", lambda: True)  # NOTE: no compiler needed
+    twin = types.ModuleType("tests_cpu_twin")
+    twin.NAME = "cpu"
+    assert "tests_cpu_twin" not in sys.modules
+    assert cpu_fused.runs_with(twin)
+    assert not cpu_fused.runs_with(torch_backend)
+    monkeypatch.setattr(cpu_fused, "available", lambda: False)
+    assert not cpu_fused.runs_with(twin)  # the library did not build

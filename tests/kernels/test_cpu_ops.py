@@ -9,8 +9,8 @@ import torch
 
 from engine.models.accelerate import set_fused_cpu_ops
 from engine.models.config import ModelConfig
+from engine.models.forward_context import ForwardContext, forward_context
 from engine.models.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding
-from engine.run.forward_context import ForwardContext, forward_context
 from kernels.attention import torch_backend
 from kernels.attention.metadata import AttentionMetadata
 from kernels.cpu import ops as cpu_ops

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.run.forward_context import get_forward_context
+from engine.models.forward_context import get_forward_context
 from kernels.cpu.lora import SlotWeights
 
 

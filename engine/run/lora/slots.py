@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.models.lora_batch import LoraBatch
 from engine.run.lora.adapter import TARGETS, LoraWeights, read_adapter
-from engine.run.lora.batch import LoraBatch
 from engine.run.lora.layers import LoraLinear
 from kernels.cpu.lora import SlotWeights
 

@@ -1,5 +1,5 @@
-"""One step's rows grouped by LoRA adapter slot, and the delta they add: its own module so that
-the forward context can name it without importing the layers that read the context."""
+"""One step's rows grouped by LoRA adapter slot, and the delta they add: what the layers read of
+the step's adapters, through the forward context (engine/run/lora/slots.py builds it)."""
 
 from __future__ import annotations
 

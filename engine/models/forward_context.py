@@ -12,7 +12,7 @@ import torch
 from kernels import AttentionMetadata, Backend
 
 if TYPE_CHECKING:
-    from engine.run.lora.batch import LoraBatch
+    from engine.models.lora_batch import LoraBatch
 
 
 @dataclass
